@@ -1,0 +1,189 @@
+"""`LazyTrainingArguments`: `TrainingArguments` plus the LazyTrain groups (stream_*, planner_*, activation_*, optim_*)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass, field
+
+from transformers import TrainingArguments
+
+from .planner.plan import INPUT_TIERS
+from .units import parse_bytes
+
+PLANNER_POLICIES = ("milp", "megatrain", "keep_all", "all_recompute", "cpu_offload_inputs", "default")
+SOLVERS = ("auto", "cbc", "highs")
+
+
+@dataclass
+class LazyTrainingArguments(TrainingArguments):
+    r"""
+    Configuration for `LazyTrainer`. All `TrainingArguments` fields work as usual; the fields below are added.
+
+    > Streaming (`lazytrain_hf.streaming`)
+
+    stream_enabled (`bool`, defaults to `True`): keep parameters, gradients and optimizer states in host memory and
+        stream each decoder layer to the device just in time. `False` gives plain `Trainer` behaviour.
+    stream_prefetch_depth (`int`, defaults to `1`): layers fetched ahead when no plan decides it.
+    stream_embeddings (`bool`, defaults to `False`): stream embeddings / final norm / lm_head too (else resident).
+    stream_loss_chunk_tokens (`int`, defaults to `1024`): tokens per chunk of the chunked loss.
+
+    > Planner (`lazytrain_hf.planner`)
+
+    planner_policy (`str`, defaults to `"milp"`): `"milp"` solves the plan; a baseline name (`"megatrain"`,
+        `"keep_all"`, `"all_recompute"`, `"cpu_offload_inputs"`) or `"default"` uses that fixed plan.
+    planner_hardware (`str`, defaults to `"auto"`): bundled profile name (`h800`, `h200`, `a100-80g`, `rtx3090`,
+        `rtx4090`, `cpu`), a path to a measured profile JSON, or `"auto"` (measure this machine).
+    planner_gpu_budget (`int` or `str`, *optional*): device memory the plan may use, e.g. `"70GiB"`; default: the
+        profile's device memory minus a 10% reserve.
+    planner_host_budget (`int` or `str`, *optional*): pinned host memory for offloaded activations; default: half
+        of the profile's host RAM.
+    planner_time_limit (`float`, defaults to `30`): MILP solver time limit in seconds.
+    planner_mip_gap (`float`, defaults to `0.01`): relative optimality gap at which the solver stops.
+    planner_solver (`str`, defaults to `"auto"`): `"cbc"`, `"highs"` or `"auto"` (HiGHS when installed).
+    planner_auto_batch_size (`bool`, defaults to `False`): search the micro-batch size with the highest tokens/s
+        that fits, and train with it (overrides `per_device_train_batch_size`).
+    planner_max_batch_size (`int`, defaults to `256`): upper end of that search.
+    planner_warmup_steps (`int`, defaults to `2`): timed warm-up steps that measure per-layer costs before solving.
+
+    > Activations (`lazytrain_hf.activations`)
+
+    activation_tiers (`list[str]`, defaults to `["gpu", "cpu"]`): where saved activations may live: `gpu` (keep),
+        `cpu` (pinned host), `nvme` (spill files). Recomputation is always allowed.
+    activation_nvme_dir (`str`, *optional*): directory for NVMe spill files; required when `nvme` is a tier.
+
+    > Optimizer (`lazytrain_hf.optim`)
+
+    optim_hybrid_8bit (`bool`, *optional*): use `HybridAdamW8bit` (CPU AdamW, block-wise 8-bit moments, fused
+        clipping). Default: on when streaming is on.
+    optim_block_size (`int`, defaults to `256`): elements per 8-bit quantisation block.
+    optim_min_8bit_size (`int`, defaults to `4096`): tensors with fewer elements keep fp32 moments.
+
+    Changed `TrainingArguments` defaults: none. `max_grad_norm` is honoured through fused clipping when streaming.
+    """
+
+    # ----------------------------------------------------------------- streaming
+    stream_enabled: bool = field(
+        default=True, metadata={"help": "Stream decoder layers from host memory (False: plain Trainer behaviour)."}
+    )
+    stream_prefetch_depth: int = field(default=1, metadata={"help": "Layers fetched ahead when no plan decides."})
+    stream_embeddings: bool = field(
+        default=False, metadata={"help": "Stream embeddings, final norm and lm_head instead of keeping them resident."}
+    )
+    stream_loss_chunk_tokens: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
+
+    # ----------------------------------------------------------------- planner
+    planner_policy: str = field(
+        default="milp", metadata={"help": f"How the plan is made: one of {', '.join(PLANNER_POLICIES)}."}
+    )
+    planner_hardware: str = field(
+        default="auto",
+        metadata={"help": "Hardware profile: bundled name (h800, h200, a100-80g, rtx3090, rtx4090, cpu), JSON path, "
+                  "or 'auto' to measure this machine."},
+    )
+    planner_gpu_budget: int | str | None = field(
+        default=None, metadata={"help": "Device memory the plan may use, e.g. '70GiB' (default: profile - 10%)."}
+    )
+    planner_host_budget: int | str | None = field(
+        default=None, metadata={"help": "Pinned host memory for offloaded activations, e.g. '64GiB'."}
+    )
+    planner_time_limit: float = field(default=30.0, metadata={"help": "MILP solver time limit in seconds."})
+    planner_mip_gap: float = field(default=0.01, metadata={"help": "Relative MIP gap at which the solver stops."})
+    planner_solver: str = field(default="auto", metadata={"help": "MILP solver: auto, cbc or highs."})
+    planner_auto_batch_size: bool = field(
+        default=False, metadata={"help": "Pick the micro-batch size with the best predicted tokens/s that fits."}
+    )
+    planner_max_batch_size: int = field(default=256, metadata={"help": "Largest micro-batch size searched."})
+    planner_warmup_steps: int = field(
+        default=2, metadata={"help": "Timed warm-up steps measuring per-layer costs before the plan is solved."}
+    )
+
+    # ----------------------------------------------------------------- activations
+    activation_tiers: list[str] = field(
+        default_factory=lambda: ["gpu", "cpu"],
+        metadata={"help": "Tiers saved activations may use: gpu, cpu, nvme (recompute is always allowed)."},
+    )
+    activation_nvme_dir: str | None = field(
+        default=None, metadata={"help": "Directory for NVMe activation spill files (needed for the nvme tier)."}
+    )
+
+    # ----------------------------------------------------------------- optimizer
+    optim_hybrid_8bit: bool | None = field(
+        default=None, metadata={"help": "Use HybridAdamW8bit (default: on when streaming is on)."}
+    )
+    optim_block_size: int = field(default=256, metadata={"help": "Elements per 8-bit quantisation block."})
+    optim_min_8bit_size: int = field(default=4096, metadata={"help": "Tensors smaller than this keep fp32 moments."})
+
+    def __post_init__(self):
+        super().__post_init__()
+        # ---- cross-field checks: each error names the option, the value and the fix
+        if self.stream_prefetch_depth < 0:
+            raise ValueError(f"stream_prefetch_depth={self.stream_prefetch_depth} must be >= 0 (1 is a good default).")
+        if self.stream_loss_chunk_tokens < 1:
+            raise ValueError(f"stream_loss_chunk_tokens={self.stream_loss_chunk_tokens} must be >= 1 (e.g. 1024).")
+        if self.planner_policy not in PLANNER_POLICIES:
+            raise ValueError(
+                f"planner_policy={self.planner_policy!r} is not supported; use one of {', '.join(PLANNER_POLICIES)}."
+            )
+        if self.planner_solver not in SOLVERS:
+            raise ValueError(f"planner_solver={self.planner_solver!r} is not supported; use one of {SOLVERS}.")
+        if not self.planner_hardware:
+            raise ValueError("planner_hardware='' is empty; pass a profile name, a JSON path or 'auto'.")
+        self.planner_gpu_budget = parse_bytes(self.planner_gpu_budget, "planner_gpu_budget")
+        self.planner_host_budget = parse_bytes(self.planner_host_budget, "planner_host_budget")
+        if self.planner_time_limit <= 0:
+            raise ValueError(f"planner_time_limit={self.planner_time_limit} must be > 0 seconds (e.g. 30).")
+        if not 0 <= self.planner_mip_gap < 1:
+            raise ValueError(f"planner_mip_gap={self.planner_mip_gap} must be in [0, 1) (e.g. 0.01).")
+        if self.planner_max_batch_size < 1:
+            raise ValueError(f"planner_max_batch_size={self.planner_max_batch_size} must be >= 1.")
+        if self.planner_warmup_steps < 0:
+            raise ValueError(f"planner_warmup_steps={self.planner_warmup_steps} must be >= 0.")
+
+        if isinstance(self.activation_tiers, str):
+            self.activation_tiers = [t.strip() for t in self.activation_tiers.split(",") if t.strip()]
+        self.activation_tiers = list(self.activation_tiers)
+        bad = [t for t in self.activation_tiers if t not in INPUT_TIERS]
+        if bad:
+            raise ValueError(
+                f"activation_tiers={self.activation_tiers!r}: unknown tier {bad[0]!r}; allowed tiers are "
+                f"{', '.join(INPUT_TIERS)} (recompute is always allowed)."
+            )
+        if "nvme" in self.activation_tiers and not self.activation_nvme_dir:
+            raise ValueError(
+                "activation_tiers includes 'nvme' but activation_nvme_dir is not set; pass "
+                "activation_nvme_dir=/path/on/nvme or drop 'nvme' from activation_tiers."
+            )
+        if self.activation_nvme_dir is not None:
+            self.activation_nvme_dir = os.path.abspath(os.path.expanduser(self.activation_nvme_dir))
+
+        if self.optim_block_size < 16 or self.optim_block_size & (self.optim_block_size - 1):
+            raise ValueError(
+                f"optim_block_size={self.optim_block_size} must be a power of two >= 16 (256 is the usual choice)."
+            )
+        if self.optim_min_8bit_size < 0:
+            raise ValueError(f"optim_min_8bit_size={self.optim_min_8bit_size} must be >= 0 (4096 by default).")
+
+        # ---- derived defaults
+        if self.optim_hybrid_8bit is None:
+            self.optim_hybrid_8bit = bool(self.stream_enabled)
+
+    @classmethod
+    def from_training_arguments(cls, args: TrainingArguments, **overrides) -> LazyTrainingArguments:
+        """Upgrade a plain `TrainingArguments` (every field it set is kept) to `LazyTrainingArguments`."""
+        if isinstance(args, cls) and not overrides:
+            return args
+        values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and hasattr(args, f.name)}
+        # TrainingArguments.__post_init__ rewrites some fields (enums, derived paths); re-run it from the originals.
+        values.update(overrides)
+        return cls(**_originals(args, values))
+
+
+def _originals(args: TrainingArguments, values: dict) -> dict:
+    """Undo the normalisations `TrainingArguments.__post_init__` applied, so re-running it is idempotent."""
+    out = {}
+    for name, value in values.items():
+        if hasattr(value, "value") and value.__class__.__module__.startswith("transformers"):
+            value = value.value  # ExplicitEnum -> its string
+        out[name] = value
+    return out

@@ -1,0 +1,1 @@
+"""The layer-streaming executor."""

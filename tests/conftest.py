@@ -1,0 +1,57 @@
+"""Shared fixtures: tiny Qwen models built from configs (never downloaded)."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+torch.set_num_threads(min(2, torch.get_num_threads()))
+
+TINY = dict(
+    hidden_size=32,
+    intermediate_size=64,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    num_hidden_layers=4,
+    vocab_size=128,
+    max_position_embeddings=256,
+    use_cache=False,
+    # MoE / linear-attention families
+    moe_intermediate_size=16,
+    shared_expert_intermediate_size=16,
+    num_experts=4,
+    num_local_experts=4,
+    num_experts_per_tok=2,
+    linear_num_key_heads=2,
+    linear_num_value_heads=2,
+    linear_key_head_dim=8,
+    linear_value_head_dim=8,
+)
+
+
+def tiny_config(model_type: str = "qwen3", **overrides):
+    from transformers import AutoConfig
+
+    kw = dict(TINY)
+    kw.update(overrides)
+    return AutoConfig.for_model(model_type, **kw)
+
+
+def tiny_model(model_type: str = "qwen3", seed: int = 0, **overrides):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = tiny_config(model_type, attn_implementation="eager", **overrides)
+    return AutoModelForCausalLM.from_config(cfg)
+
+
+@pytest.fixture
+def hf_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
+    return tmp_path / "hf_home"
