@@ -1,19 +1,59 @@
-"""`LazyTrainer(Trainer)`: plan at `train()` start, stream layers through hooks, Hybrid 8-bit optimizer."""
+"""`LazyTrainer(Trainer)`: plan at `train()` start, stream layers through hooks, Hybrid 8-bit optimizer.
+
+What changes against `transformers.Trainer` (everything else is inherited unchanged):
+
+- `train()`: hardware profile -> timed warm-up steps (per-layer forward/backward times) -> plan (MILP, a baseline, or
+  the default) -> streaming hooks and activation policies installed -> `Trainer.train()` -> hooks removed, also
+  when training raises.
+- `compute_loss()`: the chunked causal-LM loss of the executor (the full B x T x V logits never exist).
+- `create_optimizer()`: `HybridAdamW8bit` over the host fp32 master weights, with Trainer's decay groups.
+- `_clip_grad_norm()` / `_get_grad_norm()`: the global norm comes from per-layer squared norms taken as gradients
+  were produced, and the clip coefficient is folded into the optimizer pass (no extra pass over gradients).
+  A non-finite norm skips the step (optimizer state untouched, scheduler not stepped), counted and logged.
+- `_save_checkpoint()` / `save_model()`: written to a staging directory, then renamed, so an interrupted save never
+  replaces a good checkpoint with a half-written one; weights come from the host master copy.
+- `log()`: adds throughput (tokens/s, TFLOPS), peak device memory and predicted vs measured step time.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import math
+import os
+import shutil
+import time
 from typing import Any
 
+import torch
 from transformers import Trainer, TrainingArguments
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+from transformers.utils import logging
 
+from . import models
 from .args import LazyTrainingArguments
+from .units import format_bytes
+
+logger = logging.get_logger(__name__)
+
+STAGING_PREFIX = ".staging-"
+PLAN_FILE = "lazytrain_plan.json"
+TIMELINE_FILE = "lazytrain_timeline.png"
+
+
+def _unwrap_base(model: torch.nn.Module) -> torch.nn.Module:
+    """The `*ForCausalLM` under PEFT / DDP wrappers."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner
 
 
 class LazyTrainer(Trainer):
     """A `transformers.Trainer` that trains models larger than the GPU.
 
-    With `args.stream_enabled=False` it is exactly `Trainer`. A plain `TrainingArguments` is upgraded to
-    `LazyTrainingArguments` (every field it set is kept, LazyTrain fields take their defaults).
+    With `args.stream_enabled=False` it is exactly `Trainer` (and, with `optim_hybrid_8bit=True`, Trainer with the
+    Hybrid 8-bit optimizer). A plain `TrainingArguments` is upgraded to `LazyTrainingArguments` (every field it set
+    is kept, LazyTrain fields take their defaults).
     """
 
     def __init__(self, model: Any = None, args: TrainingArguments | None = None, **kwargs: Any):
@@ -22,4 +62,488 @@ class LazyTrainer(Trainer):
             args = LazyTrainingArguments(output_dir="trainer_output")
         elif not isinstance(args, LazyTrainingArguments):
             args = LazyTrainingArguments.from_training_arguments(args)
+
+        # Phase 2: fail early on models the executor cannot stream.
+        if args.stream_enabled and model is not None:
+            models.get_spec(_unwrap_base(model))
+
         super().__init__(model=model, args=args, **kwargs)
+
+        # Phase 3: LazyTrain state, filled by train().
+        self.stream_handle = None
+        self.lazy_plan = None
+        self.lazy_cost_model = None
+        self.skipped_nonfinite_steps = 0
+        self._clip_coef: float | None = None
+        self._skip_step = False
+        self._last_grad_norm: float | None = None
+        self._step_t0: float | None = None
+        self._window = {"tokens": 0, "seconds": 0.0, "steps": 0}
+
+    # ------------------------------------------------------------------ train()
+    def train(self, *args: Any, **kwargs: Any):
+        if not self.args.stream_enabled:
+            return super().train(*args, **kwargs)
+        from .streaming import attach
+
+        plan = self.make_plan()
+        self.stream_handle = attach(
+            self.model, plan=plan, device=self.args.device, nvme_dir=self.args.activation_nvme_dir
+        )
+        try:
+            return super().train(*args, **kwargs)
+        finally:
+            handle, self.stream_handle = self.stream_handle, None
+            handle.remove()
+
+    # ------------------------------------------------------------------ planning
+    def _sample_batch(self) -> dict[str, torch.Tensor]:
+        """One collated training micro-batch, taken without touching the training dataloader's RNG."""
+        if self.train_dataset is None:
+            raise ValueError("LazyTrainer.train() needs a train_dataset to plan and train.")
+        n = min(self.args.per_device_train_batch_size, len(self.train_dataset))
+        if n == 0:
+            raise ValueError("train_dataset is empty; pass a dataset with at least one row.")
+        rows = [self.train_dataset[i] for i in range(n)]
+        dl = self.get_train_dataloader()  # only for its collator (column removal included)
+        batch = dl.collate_fn(rows) if hasattr(dl, "collate_fn") else self.data_collator(rows)
+        return self._prepare_inputs(batch)
+
+    def measure_layer_times(self, batch: dict[str, torch.Tensor], steps: int) -> tuple[list[float], list[float]]:
+        """Median forward and backward seconds per decoder layer over `steps` timed forward+backward passes.
+
+        Runs with the default streaming plan (the executor's own costs included), restores every RNG state and
+        leaves parameters and gradients as they were: warm-up never changes training.
+        """
+        from .streaming import attach
+
+        base = _unwrap_base(self.model)
+        layers = models.decoder_layers(base)
+        L = len(layers)
+        fwd: list[list[float]] = [[] for _ in range(L)]
+        bwd: list[list[float]] = [[] for _ in range(L)]
+        t_start: dict[tuple[str, int], float] = {}
+        sync = torch.cuda.synchronize if self.args.device.type == "cuda" else (lambda: None)
+
+        def clock() -> float:
+            sync()
+            return time.perf_counter()
+
+        hooks = []
+        for i, layer in enumerate(layers):
+            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: t_start.__setitem__(("f", i), clock())))
+            hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd[i].append(clock() - t_start["f", i])))
+            hooks.append(
+                layer.register_full_backward_pre_hook(lambda m, g, i=i: t_start.__setitem__(("b", i), clock()))
+            )
+            hooks.append(
+                layer.register_full_backward_hook(lambda m, gi, go, i=i: bwd[i].append(clock() - t_start["b", i]))
+            )
+        rng = _rng_state()
+        handle = attach(self.model, plan=None, device=self.args.device)
+        was_training = self.model.training
+        try:
+            self.model.train()
+            for _ in range(max(1, steps)):
+                loss = handle.causal_lm_loss(self.model, dict(batch))
+                loss.backward()
+                handle.zero_grad()
+        finally:
+            handle.remove()
+            for h in hooks:
+                h.remove()
+            self.model.zero_grad(set_to_none=True)
+            self.model.train(was_training)
+            _set_rng_state(rng)
+
+        def med(xs: list[float]) -> float:
+            xs = sorted(xs[1:] if len(xs) > 1 else xs)  # the first pass pays one-off allocation costs
+            return xs[len(xs) // 2] if xs else 0.0
+
+        return [med(x) for x in fwd], [med(x) for x in bwd]
+
+    def make_plan(self):
+        """Profile -> warm-up timings -> plan, per `args.planner_*`. Saves the plan (JSON + timeline) to output_dir."""
+        from .planner import baselines, costmodel, hardware, milp
+        from .planner.plan import Plan
+
+        a = self.args
+        base = _unwrap_base(self.model)
+        config = base.config
+        kinds = models.layer_kinds(config)
+        batch = self._sample_batch()
+        seq_len = int(batch["input_ids"].shape[1])
+        mbs = int(batch["input_ids"].shape[0])
+
+        if a.planner_policy == "default":
+            plan = Plan.default(len(kinds), kinds, prefetch_depth=a.stream_prefetch_depth, micro_batch_size=mbs,
+                                seq_len=seq_len, loss_chunk_tokens=a.stream_loss_chunk_tokens,
+                                stream_embeddings=a.stream_embeddings, model=config.model_type)
+            self.lazy_plan = plan
+            return plan
+
+        profile = (
+            hardware.measure(cache_path=os.path.join(a.output_dir, "hardware_profile.json"), device=a.device)
+            if a.planner_hardware == "auto"
+            else hardware.get_profile(a.planner_hardware)
+        )
+        dtype_bytes = torch.finfo(next(base.parameters()).dtype).bits // 8
+        cm = costmodel.CostModel.from_config(config, profile, seq_len=seq_len, micro_batch_size=mbs,
+                                             dtype_bytes=dtype_bytes)
+        if a.planner_warmup_steps > 0:
+            fwd_s, bwd_s = self.measure_layer_times(batch, a.planner_warmup_steps)
+            cm = cm.with_measured_times(fwd_s, bwd_s)
+        self.lazy_cost_model = cm
+
+        if a.planner_policy == "milp":
+            plan = milp.plan_for_model(
+                config, profile, seq_len=seq_len,
+                micro_batch_size=None if a.planner_auto_batch_size else mbs,
+                auto_batch_size=a.planner_auto_batch_size, max_batch_size=a.planner_max_batch_size,
+                gpu_budget=a.planner_gpu_budget, host_budget=a.planner_host_budget,
+                allowed_tiers=tuple(a.activation_tiers), nvme_dir=a.activation_nvme_dir,
+                time_limit=a.planner_time_limit, gap=a.planner_mip_gap, solver=a.planner_solver,
+                cost_model=cm,
+            )
+        else:
+            plan = baselines.make_baseline(a.planner_policy, cm)
+        plan.loss_chunk_tokens = a.stream_loss_chunk_tokens
+        plan.stream_embeddings = plan.stream_embeddings or a.stream_embeddings
+        plan.model = plan.model or config.model_type
+        if a.planner_auto_batch_size and plan.micro_batch_size != a.per_device_train_batch_size:
+            logger.warning(f"planner_auto_batch_size: training with micro-batch size {plan.micro_batch_size}.")
+            a.per_device_train_batch_size = plan.micro_batch_size
+            self._train_batch_size = a.train_batch_size
+        self.lazy_plan = plan
+        self._save_plan(plan, cm)
+        return plan
+
+    def _save_plan(self, plan, cost_model) -> None:
+        if not self.args.should_save:
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        _atomic_write_text(os.path.join(self.args.output_dir, PLAN_FILE), plan.to_json())
+        logger.warning("LazyTrain plan:\n" + plan.table())
+        try:
+            from .planner import simulate
+
+            simulate.draw_timeline(simulate.simulate(plan, cost_model), os.path.join(self.args.output_dir,
+                                                                                     TIMELINE_FILE))
+        except ImportError as e:  # matplotlib is optional (extra `plot`)
+            logger.warning(f"timeline picture not drawn ({e}); pip install 'lazytrain-hf[plot]' to get it.")
+
+    # ------------------------------------------------------------------ loss
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        if self.stream_handle is None or return_outputs or self.label_smoother is not None or (
+            self.compute_loss_func is not None
+        ):
+            return super().compute_loss(model, inputs, return_outputs=return_outputs,
+                                        num_items_in_batch=num_items_in_batch)
+        if self._step_t0 is None:
+            self._step_t0 = time.perf_counter()
+        mask = inputs.get("attention_mask")
+        self._window["tokens"] += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        loss = self.stream_handle.causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        if self.args.average_tokens_across_devices and num_items_in_batch is not None:
+            loss = loss * self.accelerator.num_processes
+        return loss
+
+    # ------------------------------------------------------------------ optimizer
+    def create_optimizer(self, model=None):
+        """`HybridAdamW8bit` (or, with `optim_hybrid_8bit=False` while streaming, torch AdamW) over the host fp32
+        master weights when streaming, over the model's parameters otherwise; Trainer's decay / no-decay groups."""
+        use_lazy = self.args.optim_hybrid_8bit or self.stream_handle is not None
+        if not use_lazy:
+            return super().create_optimizer(model)
+        if self.optimizer is not None:
+            return self.optimizer
+        model = model if model is not None else self.model
+        decay = set(self.get_decay_parameter_names(model))
+        groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
+        if self.stream_handle is not None:
+            for name, master in self.stream_handle.optimizer_params():
+                groups[name in decay].append(master)
+        else:
+            for name, p in model.named_parameters():
+                if p.requires_grad:
+                    groups[name in decay].append(p)
+        param_groups = [
+            {"params": groups[True], "weight_decay": self.args.weight_decay},
+            {"params": groups[False], "weight_decay": 0.0},
+        ]
+        param_groups = [g for g in param_groups if g["params"]]
+        betas = (self.args.adam_beta1, self.args.adam_beta2)
+        if self.args.optim_hybrid_8bit:
+            from .optim import HybridAdamW8bit
+
+            opt = HybridAdamW8bit(param_groups, lr=self.args.learning_rate, betas=betas, eps=self.args.adam_epsilon,
+                                  block_size=self.args.optim_block_size, min_8bit_size=self.args.optim_min_8bit_size)
+        else:
+            opt = torch.optim.AdamW(param_groups, lr=self.args.learning_rate, betas=betas, eps=self.args.adam_epsilon)
+        self._wrap_optimizer_step(opt)
+        self.optimizer = opt
+        return opt
+
+    def _wrap_optimizer_step(self, opt: torch.optim.Optimizer) -> None:
+        """Route Trainer's plain `optimizer.step()` through fast clipping, non-finite skipping and the host sync.
+
+        Trainer calls `optimizer.step()` with no arguments between `_clip_grad_norm` and `model.zero_grad()`; the
+        clip coefficient computed from the per-layer norms is passed into the fused pass here.
+        """
+        inner_step = opt.step
+        fused = not isinstance(opt, torch.optim.AdamW)  # HybridAdamW8bit folds clip_coef into its pass
+
+        def step(closure=None):
+            coef, self._clip_coef = self._clip_coef, None
+            try:
+                if self._skip_step:
+                    return None
+                if coef is None or coef >= 1.0:
+                    return inner_step(closure)
+                if fused:
+                    return inner_step(closure, clip_coef=coef)
+                for group in opt.param_groups:  # plain AdamW: one scaling pass, as torch's clip_grad_norm_
+                    for p in group["params"]:
+                        if p.grad is not None:
+                            p.grad.mul_(coef)
+                return inner_step(closure)
+            finally:
+                self._skip_step = False
+                if self.stream_handle is not None:
+                    self.stream_handle.sync_compute()
+                    self.stream_handle.zero_grad()
+
+        opt.step = step
+
+    def _uses_default_optimizer(self) -> bool:
+        return not (self.args.optim_hybrid_8bit or self.stream_handle is not None)
+
+    def _grad_norm_now(self, model) -> float:
+        if self.stream_handle is not None:
+            return float(self.stream_handle.global_grad_norm())
+        from .optim.clip import global_norm, partial_sq_norms
+
+        return float(global_norm(partial_sq_norms([p.grad for p in model.parameters() if p.grad is not None])))
+
+    def _clip_grad_norm(self, model):
+        if self._uses_default_optimizer():
+            return super()._clip_grad_norm(model)
+        from .optim.clip import clip_coefficient
+
+        norm = self._grad_norm_now(model)
+        self._last_grad_norm = norm
+        if not math.isfinite(norm):
+            self._skip_nonfinite_step(norm)
+            return torch.tensor(norm)
+        self._clip_coef = float(clip_coefficient(norm, self.args.max_grad_norm))
+        return torch.tensor(norm)
+
+    def _get_grad_norm(self, model, grad_norm=None):
+        if self._uses_default_optimizer():
+            return super()._get_grad_norm(model, grad_norm)
+        if grad_norm is None:  # max_grad_norm == 0: no clipping, but the norm is free (already reduced)
+            norm = self._grad_norm_now(model)
+            self._last_grad_norm = norm
+            if not math.isfinite(norm):
+                self._skip_nonfinite_step(norm)
+            return norm
+        return float(grad_norm)
+
+    def _skip_nonfinite_step(self, norm: float) -> None:
+        """Skip this optimizer step, as mixed-precision training does on overflow."""
+        self.skipped_nonfinite_steps += 1
+        logger.warning(f"non-finite gradient norm ({norm}); optimizer step skipped "
+                       f"({self.skipped_nonfinite_steps} so far), optimizer state untouched.")
+        self._skip_step = True
+        if hasattr(self.optimizer, "_is_overflow"):  # AcceleratedOptimizer: the scheduler is not stepped either
+            self.optimizer._is_overflow = True
+
+    # ------------------------------------------------------------------ logging
+    def log(self, logs: dict[str, float], start_time: float | None = None) -> None:
+        if "loss" in logs:
+            logs["skipped_nonfinite_steps"] = self.skipped_nonfinite_steps
+            if self.stream_handle is not None:
+                logs.update(self._throughput_logs())
+        super().log(logs, start_time) if start_time is not None else super().log(logs)
+
+    def _throughput_logs(self) -> dict[str, float]:
+        out: dict[str, float] = {}
+        now = time.perf_counter()
+        if self._step_t0 is not None and self._window["tokens"]:
+            secs = now - self._step_t0
+            steps = max(1, self.state.global_step - self._window.get("last_step", 0))
+            tokens = self._window["tokens"]
+            n_params = sum(p.numel() for p in self.model.parameters())
+            out["tokens_per_s"] = tokens / secs
+            # 6 * N * tokens (forward + backward), as `Trainer.floating_point_ops`; recompute not counted as useful
+            out["tflops"] = 6 * n_params * tokens / secs / 1e12
+            out["step_time_s"] = secs / steps
+            predicted = (self.lazy_plan.predicted or {}).get("step_time_s") if self.lazy_plan else None
+            if predicted:
+                out["predicted_step_time_s"] = float(predicted)
+        stats = self.stream_handle.memory_stats()
+        out["peak_device_bytes"] = int(stats.get("device_peak_bytes", 0))
+        self.stream_handle.reset_peak()
+        self._window = {"tokens": 0, "seconds": 0.0, "steps": 0, "last_step": self.state.global_step}
+        self._step_t0 = now
+        return out
+
+    # ------------------------------------------------------------------ saving
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if state_dict is None and self.stream_handle is not None:
+            state_dict = self.stream_handle.state_dict()  # host master copy: no gather on the device
+        super()._save(output_dir, state_dict=state_dict)
+        if self.args.should_save and output_dir is not None and self.lazy_plan is not None:
+            _atomic_write_text(os.path.join(output_dir, PLAN_FILE), self.lazy_plan.to_json())
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """Write the checkpoint into a staging directory and rename it into place when complete.
+
+        Note: [Atomic checkpoints] `get_last_checkpoint` only matches `checkpoint-<N>`; a staging directory left by
+        a killed process is never taken as the latest checkpoint and is removed by the next save.
+        """
+        run_dir = self._get_output_dir(trial=trial)
+        final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        staging_root = os.path.join(run_dir, f"{STAGING_PREFIX}{os.getpid()}")
+        if self.args.should_save:
+            _remove_stale_staging(run_dir)
+        original = self._get_output_dir
+        self._get_output_dir = lambda trial=None: staging_root  # super() writes staging_root/checkpoint-N
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self._get_output_dir = original
+        if not self.args.should_save:
+            return
+        staged = os.path.join(staging_root, os.path.basename(final))
+        _fsync_tree(staged)
+        if os.path.exists(final):
+            old = final + f".old-{os.getpid()}"
+            os.replace(final, old)
+            os.replace(staged, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(staged, final)
+        _fsync_dir(run_dir)
+        shutil.rmtree(staging_root, ignore_errors=True)
+        if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
+            self.state.best_model_checkpoint = final
+        from transformers.trainer_utils import rotate_checkpoints
+
+        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
+                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+
+    def create_model_card(self, *args: Any, **kwargs: Any) -> None:
+        super().create_model_card(*args, **kwargs)
+        if not self.args.should_save or self.lazy_plan is None:
+            return
+        path = os.path.join(self.args.output_dir, "README.md")
+        if not os.path.exists(path):
+            return
+        with open(path) as f:
+            card = f.read()
+        card += "\n" + lazytrain_card_section(self.lazy_plan, self.state.log_history) + "\n"
+        _atomic_write_text(path, card)
+
+
+# ---------------------------------------------------------------------- helpers
+def lazytrain_card_section(plan, log_history: list[dict]) -> str:
+    """Model-card section: the plan that trained the model and the throughput measured while training."""
+    measured = [h for h in log_history if "tokens_per_s" in h]
+    last = measured[-1] if measured else {}
+    lines = ["## LazyTrain", "", "Trained with lazytrain_hf (layer streaming, planned activations, Hybrid 8-bit).",
+             "", "```", plan.table(), "```", ""]
+    if last:
+        lines.append(
+            f"Measured: {last['tokens_per_s']:.1f} tokens/s, {last.get('tflops', 0.0):.3f} TFLOPS, "
+            f"peak device memory {format_bytes(last.get('peak_device_bytes'))}."
+        )
+    return "\n".join(lines)
+
+
+def _atomic_write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    with open(tmp, "w") as f:
+        f.write(text if text.endswith("\n") else text + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _fsync_tree(root: str) -> None:
+    for dirpath, _, files in os.walk(root):
+        for name in files:
+            with contextlib.suppress(OSError):
+                fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+        _fsync_dir(dirpath)
+
+
+def _fsync_dir(path: str) -> None:
+    with contextlib.suppress(OSError):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def _remove_stale_staging(run_dir: str) -> None:
+    """Remove staging directories of saves that never completed (their process died)."""
+    if not os.path.isdir(run_dir):
+        return
+    for name in os.listdir(run_dir):
+        if name.startswith(STAGING_PREFIX):
+            pid = name[len(STAGING_PREFIX):]
+            if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
+                continue
+            shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def read_plan(checkpoint_dir: str):
+    """The plan saved with a checkpoint (or None). Corrupted files raise an error naming the file."""
+    from .planner.plan import Plan
+
+    path = os.path.join(checkpoint_dir, PLAN_FILE)
+    if not os.path.exists(path):
+        return None
+    return Plan.from_json(path)
+
+
+__all__ = ["LazyTrainer", "lazytrain_card_section", "read_plan"]
