@@ -78,8 +78,10 @@ class LazyTrainingArguments(TrainingArguments):
     )
     planner_hardware: str = field(
         default="auto",
-        metadata={"help": "Hardware profile: bundled name (h800, h200, a100-80g, rtx3090, rtx4090, cpu), JSON path, "
-                  "or 'auto' to measure this machine."},
+        metadata={
+            "help": "Hardware profile: bundled name (h800, h200, a100-80g, rtx3090, rtx4090, cpu), JSON path, "
+            "or 'auto' to measure this machine."
+        },
     )
     planner_gpu_budget: int | str | None = field(
         default=None, metadata={"help": "Device memory the plan may use, e.g. '70GiB' (default: profile - 10%)."}

@@ -92,7 +92,9 @@ def attention_kinds(config: Any) -> list[str]:
         # qwen2/qwen3 use "sliding_attention" for windowed layers: same cost class as full attention here.
         kinds.append("linear_attention" if t == "linear_attention" else "full_attention")
         if t not in ("full_attention", "linear_attention", "sliding_attention"):
-            raise ValueError(f"config.layer_types[{i}]={t!r} is not supported; expected full/sliding/linear attention.")
+            raise ValueError(
+                f"config.layer_types[{i}]={t!r} is not supported; expected full/sliding/linear attention."
+            )
     return kinds
 
 

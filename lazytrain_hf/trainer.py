@@ -176,9 +176,16 @@ class LazyTrainer(Trainer):
         mbs = int(batch["input_ids"].shape[0])
 
         if a.planner_policy == "default":
-            plan = Plan.default(len(kinds), kinds, prefetch_depth=a.stream_prefetch_depth, micro_batch_size=mbs,
-                                seq_len=seq_len, loss_chunk_tokens=a.stream_loss_chunk_tokens,
-                                stream_embeddings=a.stream_embeddings, model=config.model_type)
+            plan = Plan.default(
+                len(kinds),
+                kinds,
+                prefetch_depth=a.stream_prefetch_depth,
+                micro_batch_size=mbs,
+                seq_len=seq_len,
+                loss_chunk_tokens=a.stream_loss_chunk_tokens,
+                stream_embeddings=a.stream_embeddings,
+                model=config.model_type,
+            )
             self.lazy_plan = plan
             return plan
 
@@ -188,8 +195,9 @@ class LazyTrainer(Trainer):
             else hardware.get_profile(a.planner_hardware)
         )
         dtype_bytes = torch.finfo(next(base.parameters()).dtype).bits // 8
-        cm = costmodel.CostModel.from_config(config, profile, seq_len=seq_len, micro_batch_size=mbs,
-                                             dtype_bytes=dtype_bytes)
+        cm = costmodel.CostModel.from_config(
+            config, profile, seq_len=seq_len, micro_batch_size=mbs, dtype_bytes=dtype_bytes
+        )
         if a.planner_warmup_steps > 0:
             fwd_s, bwd_s = self.measure_layer_times(batch, a.planner_warmup_steps)
             cm = cm.with_measured_times(fwd_s, bwd_s)
@@ -197,12 +205,19 @@ class LazyTrainer(Trainer):
 
         if a.planner_policy == "milp":
             plan = milp.plan_for_model(
-                config, profile, seq_len=seq_len,
+                config,
+                profile,
+                seq_len=seq_len,
                 micro_batch_size=None if a.planner_auto_batch_size else mbs,
-                auto_batch_size=a.planner_auto_batch_size, max_batch_size=a.planner_max_batch_size,
-                gpu_budget=a.planner_gpu_budget, host_budget=a.planner_host_budget,
-                allowed_tiers=tuple(a.activation_tiers), nvme_dir=a.activation_nvme_dir,
-                time_limit=a.planner_time_limit, gap=a.planner_mip_gap, solver=a.planner_solver,
+                auto_batch_size=a.planner_auto_batch_size,
+                max_batch_size=a.planner_max_batch_size,
+                gpu_budget=a.planner_gpu_budget,
+                host_budget=a.planner_host_budget,
+                allowed_tiers=tuple(a.activation_tiers),
+                nvme_dir=a.activation_nvme_dir,
+                time_limit=a.planner_time_limit,
+                gap=a.planner_mip_gap,
+                solver=a.planner_solver,
                 cost_model=cm,
             )
         else:
@@ -227,18 +242,23 @@ class LazyTrainer(Trainer):
         try:
             from .planner import simulate
 
-            simulate.draw_timeline(simulate.simulate(plan, cost_model), os.path.join(self.args.output_dir,
-                                                                                     TIMELINE_FILE))
+            simulate.draw_timeline(
+                simulate.simulate(plan, cost_model), os.path.join(self.args.output_dir, TIMELINE_FILE)
+            )
         except ImportError as e:  # matplotlib is optional (extra `plot`)
             logger.warning(f"timeline picture not drawn ({e}); pip install 'lazytrain-hf[plot]' to get it.")
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        if self.stream_handle is None or return_outputs or self.label_smoother is not None or (
-            self.compute_loss_func is not None
+        if (
+            self.stream_handle is None
+            or return_outputs
+            or self.label_smoother is not None
+            or (self.compute_loss_func is not None)
         ):
-            return super().compute_loss(model, inputs, return_outputs=return_outputs,
-                                        num_items_in_batch=num_items_in_batch)
+            return super().compute_loss(
+                model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
+            )
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")
@@ -276,8 +296,14 @@ class LazyTrainer(Trainer):
         if self.args.optim_hybrid_8bit:
             from .optim import HybridAdamW8bit
 
-            opt = HybridAdamW8bit(param_groups, lr=self.args.learning_rate, betas=betas, eps=self.args.adam_epsilon,
-                                  block_size=self.args.optim_block_size, min_8bit_size=self.args.optim_min_8bit_size)
+            opt = HybridAdamW8bit(
+                param_groups,
+                lr=self.args.learning_rate,
+                betas=betas,
+                eps=self.args.adam_epsilon,
+                block_size=self.args.optim_block_size,
+                min_8bit_size=self.args.optim_min_8bit_size,
+            )
         else:
             opt = torch.optim.AdamW(param_groups, lr=self.args.learning_rate, betas=betas, eps=self.args.adam_epsilon)
         self._wrap_optimizer_step(opt)
@@ -352,8 +378,10 @@ class LazyTrainer(Trainer):
     def _skip_nonfinite_step(self, norm: float) -> None:
         """Skip this optimizer step, as mixed-precision training does on overflow."""
         self.skipped_nonfinite_steps += 1
-        logger.warning(f"non-finite gradient norm ({norm}); optimizer step skipped "
-                       f"({self.skipped_nonfinite_steps} so far), optimizer state untouched.")
+        logger.warning(
+            f"non-finite gradient norm ({norm}); optimizer step skipped "
+            f"({self.skipped_nonfinite_steps} so far), optimizer state untouched."
+        )
         self._skip_step = True
         if hasattr(self.optimizer, "_is_overflow"):  # AcceleratedOptimizer: the scheduler is not stepped either
             self.optimizer._is_overflow = True
@@ -430,8 +458,12 @@ class LazyTrainer(Trainer):
             self.state.best_model_checkpoint = final
         from transformers.trainer_utils import rotate_checkpoints
 
-        rotate_checkpoints(output_dir=run_dir, save_total_limit=self.args.save_total_limit,
-                           best_model_checkpoint=self.state.best_model_checkpoint, use_mtime=True)
+        rotate_checkpoints(
+            output_dir=run_dir,
+            save_total_limit=self.args.save_total_limit,
+            best_model_checkpoint=self.state.best_model_checkpoint,
+            use_mtime=True,
+        )
 
     def create_model_card(self, *args: Any, **kwargs: Any) -> None:
         super().create_model_card(*args, **kwargs)
@@ -451,8 +483,16 @@ def lazytrain_card_section(plan, log_history: list[dict]) -> str:
     """Model-card section: the plan that trained the model and the throughput measured while training."""
     measured = [h for h in log_history if "tokens_per_s" in h]
     last = measured[-1] if measured else {}
-    lines = ["## LazyTrain", "", "Trained with lazytrain_hf (layer streaming, planned activations, Hybrid 8-bit).",
-             "", "```", plan.table(), "```", ""]
+    lines = [
+        "## LazyTrain",
+        "",
+        "Trained with lazytrain_hf (layer streaming, planned activations, Hybrid 8-bit).",
+        "",
+        "```",
+        plan.table(),
+        "```",
+        "",
+    ]
     if last:
         lines.append(
             f"Measured: {last['tokens_per_s']:.1f} tokens/s, {last.get('tflops', 0.0):.3f} TFLOPS, "
@@ -497,7 +537,7 @@ def _remove_stale_staging(run_dir: str) -> None:
         return
     for name in os.listdir(run_dir):
         if name.startswith(STAGING_PREFIX):
-            pid = name[len(STAGING_PREFIX):]
+            pid = name[len(STAGING_PREFIX) :]
             if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
                 continue
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
