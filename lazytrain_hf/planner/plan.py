@@ -95,6 +95,12 @@ class Plan:
         solver: solver report: ``status``, ``seconds``, ``gap``.
         hardware: name of the hardware profile the plan was made for.
         model: model name or type the plan was made for.
+        checkpoint_every: ``1`` (default): every layer follows its own ``policy``. ``K > 1``: block checkpointing as
+            MegaTrain does it: only the input of every K-th layer is saved (on the device) and in backward each block
+            of K layers is recomputed as a whole (weights fetched once more for the recomputation) before its
+            backward; every layer's ``policy`` must then be ``"recompute"`` with ``input_tier="gpu"``.
+        optimizer_overlap: the CPU optimizer step overlaps the next step's forward (layer i is uploaded as soon as
+            it is updated). ``False``: the next step starts only after the whole optimizer step.
     """
 
     layers: list[LayerPlan]
@@ -107,6 +113,8 @@ class Plan:
     solver: dict[str, Any] = field(default_factory=dict)
     hardware: str = ""
     model: str = ""
+    checkpoint_every: int = 1
+    optimizer_overlap: bool = True
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -138,6 +146,13 @@ class Plan:
             lp.validate()
         if self.micro_batch_size < 1 or self.seq_len < 1 or self.loss_chunk_tokens < 1:
             raise PlanError("micro_batch_size, seq_len and loss_chunk_tokens must be >= 1.")
+        if self.checkpoint_every < 1:
+            raise PlanError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = per-layer policies).")
+        if self.checkpoint_every > 1 and any(lp.policy != "recompute" or lp.input_tier != "gpu" for lp in self.layers):
+            raise PlanError(
+                f"checkpoint_every={self.checkpoint_every} (block checkpointing) needs every layer's policy to be "
+                "'recompute' with input_tier='gpu'."
+            )
         return self
 
     def tiers_used(self) -> set[str]:

@@ -1,0 +1,312 @@
+"""Transfer engine: the device slot pool and every host <-> device copy of the streaming executor.
+
+One interface, two paths:
+
+- **CPU** (the development machines): the "device" is the CPU. Slots are real buffers distinct from the host
+  store, so every fetch is a real copy (synchronous), and gradients are really copied / added into the host
+  accumulators. Tests exercise this path.
+- **CUDA**: a dedicated H2D stream and a dedicated D2H stream, events instead of host synchronisation, pinned
+  host buffers and ``non_blocking=True`` copies. Host-side work that must wait for a D2H copy (adding a
+  micro-batch gradient into the fp32 accumulator, per-layer callbacks) runs on one background worker thread, so
+  the Python thread driving autograd never blocks per layer.
+
+The invariants the CUDA path relies on are named Notes below and referenced where they are relied on.
+
+Note: [Slot reuse waits for the compute event]
+    A slot is handed back to the pool by `release` while kernels that read it may still be queued on the compute
+    stream. `release` records ``slot.released`` on the compute stream; the next H2D copy into that slot is issued
+    on the H2D stream after ``h2d_stream.wait_event(slot.released)``, so it cannot overwrite weights a queued
+    kernel still reads. On CPU every op is synchronous and the wait is void.
+
+Note: [Compute waits for the H2D event]
+    A fetch records ``slot.ready`` on the H2D stream after its copy; `wait_ready` makes the current (compute)
+    stream wait for it before the layer's parameters are bound to the slot and used.
+
+Note: [Host compute copy is not rewritten while a fetch reads it]
+    An H2D copy reads the pinned host compute copy asynchronously. Each fetch records ``host_read[layer]``;
+    `wait_host_reads(layer)` blocks the host until that copy finished and must be called before the optimizer
+    (or `LayerStore.sync`) rewrites the compute copy. Conversely the trainer updates layer ``i`` before the next
+    step's forward fetches it (the optimizer runs in layer order; the executor's stage F0 waits for it).
+
+Note: [Gradient memory outlives its D2H copy]
+    A device gradient handed to `offload_grads` is dropped by the caller right after. ``record_stream(d2h)``
+    tells the caching allocator not to reuse its memory until the D2H stream passed the copy; the D2H stream first
+    waits for the compute stream, which produced the gradient.
+
+Note: [Host accumulators are read only after their copy landed]
+    The first micro-batch after ``zero_grad`` copies straight into the pinned fp32 accumulator; later ones copy
+    into a pinned staging buffer that the worker adds into the accumulator once the copy's event completed.
+    Everything that reads the accumulators (`StreamHandle.grads`, the optimizer, ``zero_grad``) calls
+    `synchronize` first, which waits for every pending event and drains the worker.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Slot:
+    """One device buffer holding the compute copy of one layer at a time."""
+
+    kind: str
+    buffer: torch.Tensor  # uint8, on the device
+    pooled: bool = True
+    owner: int | None = None  # layer currently bound to (or being fetched into) this slot
+    ready: torch.cuda.Event | None = None  # see Note: [Compute waits for the H2D event]
+    released: torch.cuda.Event | None = None  # see Note: [Slot reuse waits for the compute event]
+
+    @property
+    def nbytes(self) -> int:
+        return self.buffer.numel()
+
+    @property
+    def storage_ptr(self) -> int:
+        return self.buffer.untyped_storage().data_ptr()
+
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The whole slot as a flat tensor of ``dtype`` (slot sizes are multiples of 256 bytes)."""
+        return self.buffer.view(dtype)
+
+
+class TransferEngine:
+    """Device slot pool plus H2D / D2H copies.
+
+    Args:
+        device: the compute device (``cpu`` or ``cuda[:i]``).
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = torch.device(device)
+        self.is_cuda = self.device.type == "cuda"
+        self.pools: dict[str, list[Slot]] = {}
+        self._free: dict[str, list[Slot]] = {}
+        self._slot_bytes: dict[str, int] = {}
+        self.by_ptr: dict[int, Slot] = {}
+        self.grown: dict[str, int] = {}
+        self._host_read: dict[int, torch.cuda.Event] = {}
+        self._pending: list[torch.cuda.Event] = []
+        self._worker: _HostWorker | None = None
+        if self.is_cuda:
+            self.h2d_stream = torch.cuda.Stream(self.device)
+            self.d2h_stream = torch.cuda.Stream(self.device)
+            self._worker = _HostWorker()
+        self.fetch_count = 0
+        self.fetch_bytes = 0
+
+    def __repr__(self) -> str:
+        pools = ", ".join(f"{k}: {len(v)} x {self._slot_bytes[k]}B" for k, v in self.pools.items())
+        return f"TransferEngine(device={self.device}, pools={{{pools}}}, fetches={self.fetch_count})"
+
+    # ------------------------------------------------------------------ slots
+    def _new_slot(self, kind: str, nbytes: int, pooled: bool) -> Slot:
+        buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        slot = Slot(kind=kind, buffer=buf, pooled=pooled)
+        if self.is_cuda:
+            slot.ready = torch.cuda.Event()
+            slot.released = None
+        self.by_ptr[slot.storage_ptr] = slot
+        return slot
+
+    def add_pool(self, kind: str, slot_bytes: int, count: int) -> None:
+        """Allocate ``count`` slots of ``slot_bytes`` for layers of ``kind``."""
+        self._slot_bytes[kind] = slot_bytes
+        slots = [self._new_slot(kind, slot_bytes, True) for _ in range(count)]
+        self.pools[kind] = slots
+        self._free[kind] = list(slots)
+
+    def dedicated_slot(self, kind: str, nbytes: int) -> Slot:
+        """A slot outside the pool, for a layer the plan keeps resident for the whole step."""
+        return self._new_slot(kind, nbytes, False)
+
+    def free_slots(self, kind: str) -> int:
+        return len(self._free.get(kind, ()))
+
+    def acquire(self, kind: str, urgent: bool) -> Slot | None:
+        """A free slot of ``kind``; ``None`` when the pool is exhausted and the fetch is a prefetch (it is retried
+        at the next stage). An urgent fetch (the layer is needed now) grows the pool by one slot with a warning,
+        rather than deadlocking: a slot can only be freed by backward progress that the urgent fetch blocks."""
+        free = self._free[kind]
+        if free:
+            return free.pop()
+        if not urgent:
+            return None
+        warnings.warn(
+            f"lazytrain_hf streaming: the slot pool for {kind!r} layers ({len(self.pools[kind])} slots) is exhausted;"
+            " allocating one more slot. Raise the pool size (stream slots) or lower the prefetch depth of the plan.",
+            stacklevel=3,
+        )
+        slot = self._new_slot(kind, self._slot_bytes[kind], True)
+        self.pools[kind].append(slot)
+        self.grown[kind] = self.grown.get(kind, 0) + 1
+        return slot
+
+    def release(self, slot: Slot) -> None:
+        """Hand a slot back to the pool. See Note: [Slot reuse waits for the compute event]."""
+        if self.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            slot.released = ev
+        slot.owner = None
+        if slot.pooled:
+            self._free[slot.kind].append(slot)
+
+    @property
+    def slot_bytes(self) -> int:
+        """Bytes of every slot allocated (pooled and dedicated)."""
+        return sum(s.nbytes for s in self.by_ptr.values())
+
+    # ------------------------------------------------------------------ H2D
+    def copy_in(self, slot: Slot, src_bytes: torch.Tensor, layer: int) -> None:
+        """Copy a layer's compute copy (uint8 host buffer) into ``slot``."""
+        n = src_bytes.numel()
+        if n > slot.nbytes:
+            raise RuntimeError(f"layer {layer} needs {n} bytes but its {slot.kind!r} slot has {slot.nbytes}.")
+        slot.owner = layer
+        self.fetch_count += 1
+        self.fetch_bytes += n
+        if not self.is_cuda:
+            slot.buffer.narrow(0, 0, n).copy_(src_bytes)
+            return
+        with torch.cuda.stream(self.h2d_stream):
+            # Note: [Slot reuse waits for the compute event]
+            if slot.released is not None:
+                self.h2d_stream.wait_event(slot.released)
+            slot.buffer.narrow(0, 0, n).copy_(src_bytes, non_blocking=True)
+            slot.ready.record(self.h2d_stream)
+        # Note: [Host compute copy is not rewritten while a fetch reads it]
+        self._host_read[layer] = slot.ready
+
+    def wait_ready(self, slot: Slot) -> None:
+        """Make the compute stream wait for the slot's fetch. See Note: [Compute waits for the H2D event]."""
+        if self.is_cuda:
+            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+
+    def wait_host_reads(self, layer: int) -> None:
+        """Block until no fetch reads the host compute copy of ``layer``.
+
+        See Note: [Host compute copy is not rewritten while a fetch reads it].
+        """
+        ev = self._host_read.pop(layer, None)
+        if ev is not None:
+            ev.synchronize()
+
+    def upload(self, slot: Slot, src_bytes: torch.Tensor) -> None:
+        """Refresh a dedicated (resident) slot from the host after an optimizer step, ordered like a fetch."""
+        self.copy_in(slot, src_bytes, slot.owner if slot.owner is not None else -1)
+        self.wait_ready(slot)
+
+    # ------------------------------------------------------------------ D2H
+    def offload_grads(
+        self,
+        pairs: list[tuple[torch.Tensor, torch.Tensor]],
+        accumulate: bool,
+        after: Callable[[], None] | None = None,
+    ) -> None:
+        """Move device gradients into host fp32 accumulators: ``host.copy_(dev)`` (first micro-batch since
+        ``zero_grad``) or ``host += dev``; then run ``after`` (on the worker thread on CUDA, once the data landed).
+
+        The caller may drop the device gradients right after this returns.
+        """
+        if not self.is_cuda:
+            with torch.no_grad():
+                for dev, host in pairs:
+                    if accumulate:
+                        host.add_(dev)
+                    else:
+                        host.copy_(dev)
+            if after is not None:
+                after()
+            return
+        compute = torch.cuda.current_stream(self.device)
+        self.d2h_stream.wait_stream(compute)  # the gradients were produced on the compute stream
+        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        with torch.cuda.stream(self.d2h_stream), torch.no_grad():
+            for dev, host in pairs:
+                if accumulate:
+                    # Note: [Host accumulators are read only after their copy landed]
+                    buf = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
+                    buf.copy_(dev, non_blocking=True)
+                    staged.append((buf, host))
+                else:
+                    host.copy_(dev, non_blocking=True)
+                dev.record_stream(self.d2h_stream)  # Note: [Gradient memory outlives its D2H copy]
+            ev = torch.cuda.Event()
+            ev.record(self.d2h_stream)
+        if not staged and after is None:
+            self._pending.append(ev)
+            return
+
+        def work() -> None:
+            ev.synchronize()
+            with torch.no_grad():
+                for buf, host in staged:
+                    host.add_(buf)
+            if after is not None:
+                after()
+
+        self._worker.submit(work)
+
+    def synchronize(self) -> None:
+        """Wait for every pending copy and host-side accumulation (no-op on CPU)."""
+        if not self.is_cuda:
+            return
+        for ev in self._pending:
+            ev.synchronize()
+        self._pending.clear()
+        self._worker.drain()
+
+    def close(self) -> None:
+        if self._worker is not None:
+            self._worker.drain()
+            self._worker.stop()
+            self._worker = None
+        self.pools.clear()
+        self._free.clear()
+        self.by_ptr.clear()
+        self._host_read.clear()
+
+
+class _HostWorker:
+    """One background thread running host-side work after D2H copies, in submission order.
+
+    Exceptions raised by the work are re-raised by the next `drain`.
+    """
+
+    def __init__(self):
+        self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="lazytrain-stream-host", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            fn = self._q.get()
+            try:
+                if fn is None:
+                    return
+                if self._error is None:
+                    fn()
+            except BaseException as e:  # surfaced on the caller's thread by drain()
+                self._error = e
+            finally:
+                self._q.task_done()
+
+    def submit(self, fn: Callable[[], None]) -> None:
+        self._q.put(fn)
+
+    def drain(self) -> None:
+        self._q.join()
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("host-side gradient work failed on the streaming worker thread") from err
+
+    def stop(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
