@@ -58,6 +58,8 @@ class LazyTrainingArguments(TrainingArguments):
         clipping). Default: on when streaming is on.
     optim_block_size (`int`, defaults to `256`): elements per 8-bit quantisation block.
     optim_min_8bit_size (`int`, defaults to `4096`): tensors with fewer elements keep fp32 moments.
+    optim_overlap_forward (`bool`, *optional*): update layers on a background thread while the next forward runs
+        (layer i is fetched as soon as it is updated). Default: on with CUDA when the plan allows it.
 
     Changed `TrainingArguments` defaults: none. `max_grad_norm` is honoured through fused clipping when streaming.
     """
@@ -115,6 +117,11 @@ class LazyTrainingArguments(TrainingArguments):
     )
     optim_block_size: int = field(default=256, metadata={"help": "Elements per 8-bit quantisation block."})
     optim_min_8bit_size: int = field(default=4096, metadata={"help": "Tensors smaller than this keep fp32 moments."})
+    optim_overlap_forward: bool | None = field(
+        default=None,
+        metadata={"help": "Run the layer-wise optimizer step on a background thread overlapping the next forward "
+                  "(default: on with CUDA when the plan allows it)."},
+    )
 
     def __post_init__(self):
         super().__post_init__()

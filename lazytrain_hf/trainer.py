@@ -21,6 +21,7 @@ import contextlib
 import math
 import os
 import shutil
+import threading
 import time
 from typing import Any
 
@@ -76,6 +77,7 @@ class LazyTrainer(Trainer):
         self.skipped_nonfinite_steps = 0
         self._clip_coef: float | None = None
         self._skip_step = False
+        self._updater: LayerwiseUpdater | None = None
         self._last_grad_norm: float | None = None
         self._step_t0: float | None = None
         self._window = {"tokens": 0, "seconds": 0.0, "steps": 0}
@@ -93,6 +95,9 @@ class LazyTrainer(Trainer):
         try:
             return super().train(*args, **kwargs)
         finally:
+            if self._updater is not None:
+                self._updater.close()
+                self._updater = None
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
 
@@ -190,38 +195,55 @@ class LazyTrainer(Trainer):
             return plan
 
         profile = (
-            hardware.measure(cache_path=os.path.join(a.output_dir, "hardware_profile.json"), device=a.device)
+            hardware.measure(
+                cache_path=os.path.join(a.output_dir, "hardware_profile.json"),
+                device=str(a.device),
+                nvme_dir=a.activation_nvme_dir,
+            )
             if a.planner_hardware == "auto"
             else hardware.get_profile(a.planner_hardware)
         )
-        dtype_bytes = torch.finfo(next(base.parameters()).dtype).bits // 8
-        cm = costmodel.CostModel.from_config(
-            config, profile, seq_len=seq_len, micro_batch_size=mbs, dtype_bytes=dtype_bytes
-        )
+        dtype_bytes = 4 if next(base.parameters()).dtype == torch.float32 else 2
+        attn = getattr(config, "_attn_implementation", None) or "sdpa"
+        attn = attn if attn in costmodel.ATTN_IMPLEMENTATIONS else "sdpa"
+        common = dict(loss_chunk_tokens=a.stream_loss_chunk_tokens, attn_implementation=attn)
+        measured = None
         if a.planner_warmup_steps > 0:
-            fwd_s, bwd_s = self.measure_layer_times(batch, a.planner_warmup_steps)
-            cm = cm.with_measured_times(fwd_s, bwd_s)
-        self.lazy_cost_model = cm
+            measured = self.measure_layer_times(batch, a.planner_warmup_steps)
+        nvme_budget = 0
+        if "nvme" in a.activation_tiers and a.activation_nvme_dir:
+            nvme_budget = int(shutil.disk_usage(_existing_parent(a.activation_nvme_dir)).free * 0.9)
 
         if a.planner_policy == "milp":
             plan = milp.plan_for_model(
                 config,
                 profile,
                 seq_len=seq_len,
-                micro_batch_size=None if a.planner_auto_batch_size else mbs,
+                micro_batch_size=mbs,
                 auto_batch_size=a.planner_auto_batch_size,
                 max_batch_size=a.planner_max_batch_size,
                 gpu_budget=a.planner_gpu_budget,
                 host_budget=a.planner_host_budget,
+                nvme_budget=nvme_budget,
                 allowed_tiers=tuple(a.activation_tiers),
-                nvme_dir=a.activation_nvme_dir,
                 time_limit=a.planner_time_limit,
                 gap=a.planner_mip_gap,
                 solver=a.planner_solver,
-                cost_model=cm,
+                dtype_bytes=dtype_bytes,
+                measured_times=measured,
+                **common,
             )
-        else:
+        # the cost model of the batch the plan trains with (auto batch size may have changed it): the baselines and
+        # the timeline are made from it; measured layer times apply to the measured batch only
+        plan_mbs = plan.micro_batch_size if a.planner_policy == "milp" else mbs
+        cm = costmodel.CostModel.from_config(
+            config, profile, seq_len=seq_len, micro_batch_size=plan_mbs, dtype_bytes=dtype_bytes, **common
+        )
+        if measured is not None and plan_mbs == mbs:
+            cm = cm.with_measured_times(*measured)
+        if a.planner_policy != "milp":
             plan = baselines.make_baseline(a.planner_policy, cm)
+        self.lazy_cost_model = cm
         plan.loss_chunk_tokens = a.stream_loss_chunk_tokens
         plan.stream_embeddings = plan.stream_embeddings or a.stream_embeddings
         plan.model = plan.model or config.model_type
@@ -259,6 +281,8 @@ class LazyTrainer(Trainer):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+        if self._updater is not None:
+            self._updater.wait_resident()  # the embedding is needed first; layers wait in the fetch guard
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")
@@ -281,7 +305,8 @@ class LazyTrainer(Trainer):
         decay = set(self.get_decay_parameter_names(model))
         groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         if self.stream_handle is not None:
-            for name, master in self.stream_handle.optimizer_params():
+            self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
+            for name, master in self._updater.named_masters():
                 groups[name in decay].append(master)
         else:
             for name, p in model.named_parameters():
@@ -306,9 +331,17 @@ class LazyTrainer(Trainer):
             )
         else:
             opt = torch.optim.AdamW(param_groups, lr=self.args.learning_rate, betas=betas, eps=self.args.adam_epsilon)
+        if self.stream_handle is not None:
+            self._updater.bind(opt)
         self._wrap_optimizer_step(opt)
         self.optimizer = opt
         return opt
+
+    def _overlap_enabled(self) -> bool:
+        if self.args.optim_overlap_forward is not None:
+            return bool(self.args.optim_overlap_forward)
+        plan_ok = self.lazy_plan is None or self.lazy_plan.optimizer_overlap
+        return plan_ok and self.args.device.type == "cuda"
 
     def _wrap_optimizer_step(self, opt: torch.optim.Optimizer) -> None:
         """Route Trainer's plain `optimizer.step()` through fast clipping, non-finite skipping and the host sync.
@@ -324,6 +357,11 @@ class LazyTrainer(Trainer):
             try:
                 if self._skip_step:
                     return None
+                if self.stream_handle is not None:
+                    if closure is not None:
+                        raise ValueError("LazyTrainer's streamed optimizer step takes no closure.")
+                    self._updater.run(None if coef is None or coef >= 1.0 else coef)
+                    return None
                 if coef is None or coef >= 1.0:
                     return inner_step(closure)
                 if fused:
@@ -336,7 +374,6 @@ class LazyTrainer(Trainer):
             finally:
                 self._skip_step = False
                 if self.stream_handle is not None:
-                    self.stream_handle.sync_compute()
                     self.stream_handle.zero_grad()
 
         opt.step = step
@@ -418,8 +455,10 @@ class LazyTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if state_dict is None and self.stream_handle is not None:
-            state_dict = self.stream_handle.state_dict()  # host master copy: no gather on the device
+        if self._updater is not None:
+            self._updater.wait_all()  # weights of every layer updated before they are written
+        # Streamed parameters point at their host copy while unbound, so `state_dict()` reads host memory: the
+        # weights are written straight from the host store, never gathered on the device.
         super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save and output_dir is not None and self.lazy_plan is not None:
             _atomic_write_text(os.path.join(output_dir, PLAN_FILE), self.lazy_plan.to_json())
@@ -476,6 +515,153 @@ class LazyTrainer(Trainer):
             card = f.read()
         card += "\n" + lazytrain_card_section(self.lazy_plan, self.state.log_history) + "\n"
         _atomic_write_text(path, card)
+
+
+# ---------------------------------------------------------------------- layer-wise optimizer step
+class LayerwiseUpdater:
+    """Runs the optimizer update of a streamed model parameter group by layer, in layer order.
+
+    The optimizer sees, per streamed layer, views of the layer's flat fp32 master with ``.grad`` set to views of its
+    flat fp32 gradient accumulator, and one fp32 host master per resident parameter (the parameter itself when it
+    already is an fp32 CPU tensor). `run()` updates the resident parameters first (the next forward needs the
+    embedding before anything else), then layers 0..L-1, refreshing each layer's compute copy right after its update.
+
+    With ``overlap=True`` the updates run on a background thread and `run()` returns at once, so the next step's
+    forward starts while later layers are still being updated.
+
+    Note: [Update before fetch]
+        The executor calls `wait_layer(i)` (its ``fetch_guard``) before any fetch of layer ``i`` reads the host
+        compute copy, and the trainer calls `wait_resident()` before a forward: nothing reads a weight before its
+        update of the previous step is complete. Hyperparameters (lr, betas, eps, weight decay) are frozen when
+        `run()` is called, so an LR scheduler stepping while the thread works does not change this step's update.
+        Gradients are taken over at `run()` (resident ones detached from the parameters, streamed ones read from
+        host buffers the next backward only writes after the next forward, which waits for every layer).
+    """
+
+    def __init__(self, handle, overlap: bool = False):
+        self.handle = handle
+        self.overlap = overlap
+        self.layers: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # i -> [(name, master, grad)]
+        for i, ls in sorted(handle.store.layers.items()):
+            if ls.master is None:
+                continue
+            self.layers[i] = [(e.name, ls.master_views[e.name], ls.grad_views[e.name]) for e in ls.trainable_entries]
+        # resident: (name, parameter, fp32 host master)
+        self.resident: list[tuple[str, torch.nn.Parameter, torch.Tensor]] = []
+        for name, p in handle.resident_parameters():
+            direct = p.device.type == "cpu" and p.dtype == torch.float32
+            self.resident.append((name, p, p if direct else p.detach().to("cpu", torch.float32).clone()))
+        self._events = {i: threading.Event() for i in self.layers}
+        self._resident_done = threading.Event()
+        for ev in [*self._events.values(), self._resident_done]:
+            ev.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._where: dict[int, tuple[int, int]] = {}
+        handle.fetch_guard = self.wait_layer
+
+    def named_masters(self) -> list[tuple[str, torch.Tensor]]:
+        out = [(name, master) for name, _, master in self.resident]
+        for entries in self.layers.values():
+            out.extend((name, master) for name, master, _ in entries)
+        return out
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._where = {id(p): (gi, k) for gi, g in enumerate(optimizer.param_groups) for k, p in enumerate(g["params"])}
+
+    # ------------------------------------------------------------------ running
+    def run(self, clip_coef: float | None) -> None:
+        self.wait_all()
+        opt = self.optimizer
+        frozen = [{k: v for k, v in g.items()} for g in opt.param_groups]
+        # take the gradients over now (Note: [Update before fetch])
+        resident = []
+        for _, p, master in self.resident:
+            g = p.grad
+            if master is not p:
+                master.grad = None if g is None else g.detach().to("cpu", torch.float32)
+            elif g is not None:
+                p.grad = None
+                master.grad = g
+            resident.append((p, master))
+        layers = []
+        for i, entries in self.layers.items():
+            fresh = self.handle.store.layers[i].has_grad
+            for _, master, grad in entries:
+                master.grad = grad if fresh else None
+            layers.append((i, [m for _, m, _ in entries]))
+            self._events[i].clear()
+        self._resident_done.clear()
+        work = (frozen, resident, layers, clip_coef)
+        if self.overlap:
+            self._thread = threading.Thread(target=self._work, args=work, name="lazytrain-optimizer", daemon=True)
+            self._thread.start()
+        else:
+            self._work(*work)
+            self._raise()
+
+    def _update(self, frozen: list[dict], params: list[torch.Tensor], clip: float | None) -> None:
+        opt = self.optimizer
+        for p in params:
+            if p.grad is None:
+                continue
+            gi, k = self._where[id(p)]
+            if hasattr(opt, "_update"):  # HybridAdamW8bit: one fused pass per tensor, clip folded in
+                opt._update(p, frozen[gi], k, 1.0 if clip is None else float(clip), None)
+            else:
+                raise TypeError(f"{type(opt).__name__} cannot update layer by layer; use HybridAdamW8bit.")
+
+    def _work(self, frozen, resident, layers, clip) -> None:
+        try:
+            with torch.no_grad():
+                self._update(frozen, [m for _, m in resident], clip)
+                for p, master in resident:
+                    if master is not p:
+                        p.data.copy_(master, non_blocking=True)
+                    master.grad = None
+                self._resident_done.set()
+                for i, params in layers:
+                    self._update(frozen, params, clip)
+                    for m in params:
+                        m.grad = None
+                    self.handle.sync_compute(i)
+                    self._events[i].set()
+        except BaseException as e:  # surfaced to the training thread by the next wait
+            self._error = e
+        finally:
+            self._resident_done.set()
+            for ev in self._events.values():
+                ev.set()
+
+    # ------------------------------------------------------------------ waiting
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("the layer-wise optimizer step failed") from err
+
+    def wait_layer(self, i: int) -> None:
+        ev = self._events.get(i)
+        if ev is not None:
+            ev.wait()
+        self._raise()
+
+    def wait_resident(self) -> None:
+        self._resident_done.wait()
+        self._raise()
+
+    def wait_all(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        self._raise()
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            self.handle.fetch_guard = None
 
 
 # ---------------------------------------------------------------------- helpers
@@ -541,6 +727,12 @@ def _remove_stale_staging(run_dir: str) -> None:
             if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
                 continue
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+def _existing_parent(path: str) -> str:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
 
 
 def _pid_alive(pid: int) -> bool:

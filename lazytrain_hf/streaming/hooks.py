@@ -311,6 +311,13 @@ class StreamHandle:
         self.sq_norms: dict[int, torch.Tensor] = {}
         # an OrderedDict (not a dict) so RemovableHandle can hold a weak reference to it
         self._callbacks: OrderedDict[int, Callable[[int, dict[str, torch.Tensor]], None]] = OrderedDict()
+        # Called as fetch_guard(layer) before any fetch of a layer reads its host compute copy; the trainer uses it
+        # to make a fetch wait for that layer's optimizer update (Note: [Update before fetch] in trainer.py).
+        self.fetch_guard: Callable[[int], None] | None = None
+        # Called as grad_reducer(layer, grads) on a layer's complete device gradients (one tensor per trainable
+        # parameter, in a fixed order, zeros where a parameter got none) before their norm is taken and they are
+        # offloaded: data parallel all-reduces here, so norms and host accumulators see the reduced gradient.
+        self.grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
         self._hooks: list[RemovableHandle] = []
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._removed = False
@@ -465,6 +472,8 @@ class StreamHandle:
         st = self._layers[i]
         if st.store is None or st.slot is not None:
             return True
+        if self.fetch_guard is not None:
+            self.fetch_guard(i)
         slot = self.engine.acquire(st.kind, urgent)
         if slot is None:
             return False
@@ -703,6 +712,13 @@ class StreamHandle:
         if ls is not None and ls.grad is not None:
             fresh = not ls.has_grad
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if self.grad_reducer is not None:
+                # every rank must reduce the same tensors in the same order: a parameter without a gradient here
+                # (e.g. an expert no local token reached) takes part with zeros
+                for e in ls.trainable_entries:
+                    if e.param.grad is None:
+                        e.param.grad = torch.zeros_like(e.param)
+                self.grad_reducer(i, [e.param.grad for e in ls.trainable_entries])
             for e in ls.trainable_entries:
                 g = e.param.grad
                 if g is None:
@@ -859,6 +875,10 @@ class StreamHandle:
             if p.grad is not None:
                 out[n] = p.grad
         return out
+
+    def resident_parameters(self) -> list[tuple[str, nn.Parameter]]:
+        """Trainable parameters kept on the device (embeddings, final norm, lm_head, small adapters), by name."""
+        return [(n, p) for n, p, _ in self._resident if p.requires_grad]
 
     def zero_grad(self) -> None:
         """Forget accumulated gradients. Host accumulators are not cleared (a pass over all of host memory); the
