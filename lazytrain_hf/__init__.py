@@ -19,7 +19,7 @@ _LAZY = {
     "HybridAdamW8bit": "lazytrain_hf.optim",
 }
 
-__all__ = list(_LAZY)
+__all__ = ["HybridAdamW8bit", "LayerPlan", "LazyTrainer", "LazyTrainingArguments", "Plan"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .args import LazyTrainingArguments

@@ -177,6 +177,14 @@ class LazyTrainingArguments(TrainingArguments):
         if self.optim_hybrid_8bit is None:
             self.optim_hybrid_8bit = bool(self.stream_enabled)
 
+    def __getstate__(self) -> dict:
+        """Pickled without the hub token: Trainer writes `torch.save(args)` as `training_args.bin` into every
+        checkpoint and into the folder `push_to_hub` uploads."""
+        state = self.__dict__.copy()
+        if state.get("hub_token"):
+            state["hub_token"] = None
+        return state
+
     @classmethod
     def from_training_arguments(cls, args: TrainingArguments, **overrides) -> LazyTrainingArguments:
         """Upgrade a plain `TrainingArguments` (every field it set is kept) to `LazyTrainingArguments`."""

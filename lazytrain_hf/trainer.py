@@ -18,6 +18,7 @@ What changes against `transformers.Trainer` (everything else is inherited unchan
 from __future__ import annotations
 
 import contextlib
+import json
 import math
 import os
 import shutil
@@ -78,28 +79,135 @@ class LazyTrainer(Trainer):
         self._clip_coef: float | None = None
         self._skip_step = False
         self._updater: LayerwiseUpdater | None = None
+        self._preloaded_checkpoint: str | None = None
+        self._resident_reduced = False
         self._last_grad_norm: float | None = None
         self._step_t0: float | None = None
         self._window = {"tokens": 0, "seconds": 0.0, "steps": 0}
 
     # ------------------------------------------------------------------ train()
-    def train(self, *args: Any, **kwargs: Any):
+    def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
         if not self.args.stream_enabled:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         from .streaming import attach
 
-        plan = self.make_plan()
+        checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+        plan = None
+        if checkpoint is not None:
+            verify_checkpoint(checkpoint)
+            # weights go in before the host store is built from them; the plan is the one that trained them
+            self._load_from_checkpoint(checkpoint)
+            self._preloaded_checkpoint = checkpoint
+            plan = read_plan(checkpoint)
+            if plan is not None:
+                self.lazy_plan = plan
+        if plan is None:
+            plan = self.make_plan()
         self.stream_handle = attach(
             self.model, plan=plan, device=self.args.device, nvme_dir=self.args.activation_nvme_dir
         )
+        if self.args.world_size > 1:
+            self.stream_handle.grad_reducer = self._all_reduce_layer
+        # Note: [The executor owns placement] Accelerate must neither move the model to the device nor wrap it in
+        # DDP: streamed layers live on the host and gradients are all-reduced per layer by the executor.
+        self.model._is_accelerate_prepared = True
         try:
-            return super().train(*args, **kwargs)
+            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
+            with contextlib.suppress(AttributeError):
+                del self.model._is_accelerate_prepared
+            self._preloaded_checkpoint = None
             if self._updater is not None:
                 self._updater.close()
                 self._updater = None
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
+
+    def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | None:
+        from transformers.trainer_utils import get_last_checkpoint
+
+        if resume_from_checkpoint is None or resume_from_checkpoint is False:
+            return None
+        if resume_from_checkpoint is True:
+            last = get_last_checkpoint(self.args.output_dir)
+            if last is None:
+                raise ValueError(
+                    f"resume_from_checkpoint=True but no checkpoint-<N> directory is in output_dir="
+                    f"{self.args.output_dir!r}; pass a checkpoint path or start without resuming."
+                )
+            return last
+        if not os.path.isdir(resume_from_checkpoint):
+            raise ValueError(
+                f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory; pass a checkpoint-<N> path."
+            )
+        return str(resume_from_checkpoint)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
+        if self.stream_handle is not None and resume_from_checkpoint == self._preloaded_checkpoint:
+            return  # loaded before the executor was attached
+        try:
+            super()._load_from_checkpoint(resume_from_checkpoint, model)
+        except Exception as e:
+            raise ValueError(_checkpoint_error(resume_from_checkpoint, e)) from e
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        try:
+            super()._load_optimizer_and_scheduler(checkpoint)
+        except Exception as e:
+            raise ValueError(_checkpoint_error(checkpoint, e)) from e
+
+    def _move_model_to_device(self, model, device) -> None:
+        if self.args.stream_enabled:
+            return  # Note: [The executor owns placement]
+        super()._move_model_to_device(model, device)
+
+    def _all_reduce_layer(self, layer: int, grads: list[torch.Tensor]) -> None:
+        """Average one layer's device gradients over the data-parallel ranks, as they are produced."""
+        import torch.distributed as dist
+
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        dist.all_reduce(flat)
+        flat.div_(dist.get_world_size())
+        offset = 0
+        for g in grads:
+            n = g.numel()
+            g.copy_(flat[offset : offset + n].view_as(g))
+            offset += n
+
+    def _reduce_resident_grads(self) -> None:
+        if self.args.world_size <= 1 or self.stream_handle is None or self._resident_reduced:
+            return
+        grads = [p.grad for _, p in self.stream_handle.resident_parameters() if p.grad is not None]
+        if grads:
+            self._all_reduce_layer(-1, grads)
+        self._resident_reduced = True
+
+    # ------------------------------------------------------------------ inference while streamed
+    @contextlib.contextmanager
+    def streaming(self):
+        """Stream the model for inference (a forward-only default plan) when it is not already streamed:
+        ``with trainer.streaming(): model.generate(...)``. A no-op with streaming off or inside `train()`."""
+        if not self.args.stream_enabled or self.stream_handle is not None:
+            yield self.stream_handle
+            return
+        from .streaming import attach
+
+        handle = attach(self.model, plan=self.lazy_plan, device=self.args.device)
+        self.model._is_accelerate_prepared = True
+        try:
+            yield handle
+        finally:
+            with contextlib.suppress(AttributeError):
+                del self.model._is_accelerate_prepared
+            handle.remove()
+
+    def evaluate(self, *args: Any, **kwargs: Any):
+        with self.streaming():
+            return super().evaluate(*args, **kwargs)
+
+    def predict(self, *args: Any, **kwargs: Any):
+        with self.streaming():
+            return super().predict(*args, **kwargs)
 
     # ------------------------------------------------------------------ planning
     def _sample_batch(self) -> dict[str, torch.Tensor]:
@@ -373,6 +481,7 @@ class LazyTrainer(Trainer):
                 return inner_step(closure)
             finally:
                 self._skip_step = False
+                self._resident_reduced = False
                 if self.stream_handle is not None:
                     self.stream_handle.zero_grad()
 
@@ -382,6 +491,7 @@ class LazyTrainer(Trainer):
         return not (self.args.optim_hybrid_8bit or self.stream_handle is not None)
 
     def _grad_norm_now(self, model) -> float:
+        self._reduce_resident_grads()
         if self.stream_handle is not None:
             return float(self.stream_handle.global_grad_norm())
         from .optim.clip import global_norm, partial_sq_norms
@@ -460,7 +570,8 @@ class LazyTrainer(Trainer):
         # Streamed parameters point at their host copy while unbound, so `state_dict()` reads host memory: the
         # weights are written straight from the host store, never gathered on the device.
         super()._save(output_dir, state_dict=state_dict)
-        if self.args.should_save and output_dir is not None and self.lazy_plan is not None:
+        output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.args.should_save and self.lazy_plan is not None:
             _atomic_write_text(os.path.join(output_dir, PLAN_FILE), self.lazy_plan.to_json())
 
     def _save_checkpoint(self, model, trial) -> None:
@@ -546,11 +657,13 @@ class LayerwiseUpdater:
             if ls.master is None:
                 continue
             self.layers[i] = [(e.name, ls.master_views[e.name], ls.grad_views[e.name]) for e in ls.trainable_entries]
-        # resident: (name, parameter, fp32 host master)
+        # resident: (name, parameter, fp32 host master). An fp32 CPU parameter is updated in place through an alias
+        # (`p.detach()`: same storage, its own `.grad`), so `zero_grad()` on the model never races the update.
         self.resident: list[tuple[str, torch.nn.Parameter, torch.Tensor]] = []
         for name, p in handle.resident_parameters():
             direct = p.device.type == "cpu" and p.dtype == torch.float32
-            self.resident.append((name, p, p if direct else p.detach().to("cpu", torch.float32).clone()))
+            self.resident.append((name, p, p.detach() if direct else p.detach().to("cpu", torch.float32).clone()))
+        self._aliased = {id(m) for _, p, m in self.resident if m.data_ptr() == p.data_ptr()}
         self._events = {i: threading.Event() for i in self.layers}
         self._resident_done = threading.Event()
         for ev in [*self._events.values(), self._resident_done]:
@@ -580,11 +693,10 @@ class LayerwiseUpdater:
         resident = []
         for _, p, master in self.resident:
             g = p.grad
-            if master is not p:
+            if g is not None and id(master) in self._aliased:
+                master.grad = g  # the model's `.grad` may be cleared now: the alias keeps the tensor
+            else:
                 master.grad = None if g is None else g.detach().to("cpu", torch.float32)
-            elif g is not None:
-                p.grad = None
-                master.grad = g
             resident.append((p, master))
         layers = []
         for i, entries in self.layers.items():
@@ -618,7 +730,7 @@ class LayerwiseUpdater:
             with torch.no_grad():
                 self._update(frozen, [m for _, m in resident], clip)
                 for p, master in resident:
-                    if master is not p:
+                    if id(master) not in self._aliased:
                         p.data.copy_(master, non_blocking=True)
                     master.grad = None
                 self._resident_done.set()
@@ -766,6 +878,54 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state:
         torch.cuda.set_rng_state_all(state["cuda"])
+
+
+def _checkpoint_error(checkpoint: str | None, e: BaseException) -> str:
+    return (
+        f"could not load checkpoint {checkpoint!r}: {e}. A file in it is corrupted or truncated; resume from an "
+        f"earlier checkpoint (the checkpoint-<N> directories next to it) or start without resume_from_checkpoint."
+    )
+
+
+def verify_checkpoint(checkpoint_dir: str) -> None:
+    """Open every file a resume reads (weights, optimizer, scheduler and RNG states, trainer state, plan) without
+    loading it into the model; a corrupted or truncated one raises ValueError naming the file. (`training_args.bin`
+    is written by Trainer for reference only and never read back.)"""
+    from safetensors import safe_open
+
+    from .planner.plan import Plan
+
+    for name in sorted(os.listdir(checkpoint_dir)):
+        path = os.path.join(checkpoint_dir, name)
+        try:
+            if name.endswith(".safetensors"):
+                with safe_open(path, framework="pt") as f:
+                    for key in f.keys():
+                        f.get_slice(key)  # header and offsets are checked against the file size
+                size = os.path.getsize(path)
+                with open(path, "rb") as fh:
+                    header_len = int.from_bytes(fh.read(8), "little")
+                    header = json.loads(fh.read(header_len))
+                end = max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
+                if 8 + header_len + end != size:
+                    raise ValueError(f"size {size} bytes, header describes {8 + header_len + end}")
+            elif name in ("optimizer.pt", "scheduler.pt", "scaler.pt") or (
+                name.startswith("rng_state") and name.endswith(".pth")
+            ):
+                from transformers.trainer_pt_utils import safe_globals
+
+                with safe_globals():  # the numpy RNG types Trainer's rng_state.pth holds, as Trainer loads it
+                    torch.load(path, map_location="cpu", weights_only=True)
+            elif name == PLAN_FILE:
+                Plan.from_json(path)
+            elif name.endswith(".json"):
+                with open(path) as fh:
+                    json.load(fh)
+        except Exception as e:
+            raise ValueError(
+                f"checkpoint file {path} is corrupted or truncated ({type(e).__name__}: {e}); resume from an "
+                f"earlier checkpoint-<N> directory or delete this one."
+            ) from e
 
 
 def read_plan(checkpoint_dir: str):
