@@ -1,6 +1,6 @@
 """CPU optimizer step time: HybridAdamW8bit (clip folded in) vs torch AdamW (+ clip_grad_norm_) and bitsandbytes.
 
-    python benchmarks/bench_optim.py --sizes 50M,200M --reps 7
+    python benchmarks/bench_optim.py --sizes 50M,200M --reps 7 --backends native,numba
 
 Prints one table per size: median / min / max step time over ``--reps`` timed repetitions (after warm-up, so numba
 compilation and first-touch page faults are excluded), the speed ratio to torch fused AdamW + clip_grad_norm_,
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -72,9 +73,9 @@ def _torch_case(n: int, reps: int, **kwargs) -> list[float]:
     return _time(step, reps)
 
 
-def _hybrid_case(n: int, reps: int, host_norm: bool, bf16: bool) -> list[float]:
+def _hybrid_case(n: int, reps: int, host_norm: bool, bf16: bool, backend: str | None = None) -> list[float]:
     params = _params(n)
-    opt = HybridAdamW8bit([{"params": [p]} for p in params], lr=1e-4, weight_decay=0.01)
+    opt = HybridAdamW8bit([{"params": [p]} for p in params], lr=1e-4, weight_decay=0.01, backend=backend)
     outs = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params] if bf16 else [None] * len(params)
     device_norm = global_norm(partial_sq_norms(p.grad for p in params))
 
@@ -117,12 +118,19 @@ def _deepspeed_case(n: int, reps: int) -> list[float] | None:
     return _time(step, reps)
 
 
+def _bound(fn: Callable[..., list[float]], *args) -> Callable[[int], list[float]]:
+    return lambda n: fn(n, *args)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="50M,200M", help="comma-separated parameter counts, e.g. 50M,200M")
     parser.add_argument("--reps", type=int, default=7, help="timed repetitions per case (median reported)")
     parser.add_argument("--bnb-reps", type=int, default=2, help="repetitions for bitsandbytes (slow on CPU)")
     parser.add_argument("--skip-bnb", action="store_true", help="leave out bitsandbytes AdamW8bit")
+    parser.add_argument(
+        "--backends", default="native,numba", help="HybridAdamW8bit kernel backends to time (native, numba, torch)"
+    )
     args = parser.parse_args(argv)
     sizes = []
     for s in args.sizes.split(","):
@@ -132,15 +140,35 @@ def main(argv: list[str] | None = None) -> None:
 
     bw = copy_bandwidth(args.reps)
     probe = HybridAdamW8bit([torch.nn.Parameter(torch.zeros(1))])
-    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, HybridAdamW8bit backend={probe.backend}")
+    from lazytrain_hf.optim import native
+
+    print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, HybridAdamW8bit default={probe.backend}")
+    print(f"native kernel: {native.isa() if native.available() else native.error()}; load average: {os.getloadavg()}")
     print(f"copy bandwidth (1 GiB dst.copy_(src), read+write): {bw:.1f} GB/s\n")
 
     cases: list[tuple[str, float, Callable[[int], list[float] | None]]] = [
         ("torch AdamW fused + clip_grad_norm_", 40, lambda n: _torch_case(n, args.reps, fused=True)),
         ("torch AdamW foreach + clip_grad_norm_", 40, lambda n: _torch_case(n, args.reps, foreach=True)),
-        ("HybridAdamW8bit, host norm + fused clip", 20, lambda n: _hybrid_case(n, args.reps, True, False)),
-        ("HybridAdamW8bit, host norm + clip + bf16 copy", 22, lambda n: _hybrid_case(n, args.reps, True, True)),
-        ("HybridAdamW8bit, device norm (step only)", 16, lambda n: _hybrid_case(n, args.reps, False, False)),
+    ]
+    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
+        cases += [
+            (
+                f"Hybrid8bit[{backend}] host norm + fused clip",
+                20,
+                _bound(_hybrid_case, args.reps, True, False, backend),
+            ),
+            (
+                f"Hybrid8bit[{backend}] host norm + clip + bf16",
+                22,
+                _bound(_hybrid_case, args.reps, True, True, backend),
+            ),
+            (
+                f"Hybrid8bit[{backend}] device norm (step only)",
+                16,
+                _bound(_hybrid_case, args.reps, False, False, backend),
+            ),
+        ]
+    cases += [
         ("DeepSpeedCPUAdam + clip_grad_norm_", 40, lambda n: _deepspeed_case(n, args.reps)),
     ]
     if not args.skip_bnb:

@@ -485,7 +485,10 @@ def test_backend_selection_and_repr(monkeypatch):
     with pytest.raises(ValueError, match="LAZYTRAIN_OPTIM_BACKEND='fortran'"):
         resolve_backend(None)
     monkeypatch.delenv("LAZYTRAIN_OPTIM_BACKEND")
-    assert resolve_backend(None) == ("numba" if NUMBA_AVAILABLE else "torch")
+    from lazytrain_hf.optim import native
+
+    fast_native = native.available() and native.isa() == "avx512"
+    assert resolve_backend(None) == ("native" if fast_native else "numba" if NUMBA_AVAILABLE else "torch")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -1,8 +1,11 @@
 """The math of one AdamW step on a flat fp32 tensor with block-wise 8-bit moments: one fused pass per block.
 
-Two implementations of the same step:
+Three implementations of the same step:
 
-* ``numba`` (fast path): ``@njit(parallel=True, fastmath=False, cache=True)``, threads over chunks of blocks.
+* ``native`` (default where a C compiler works and the CPU has AVX-512 VBMI): the C kernel of ``csrc/hybrid8bit.c``, built on first use and
+  called through ctypes (native.py); AVX-512 in-register table lookups where the CPU has them. Bit-identical to
+  the numba kernel for finite values.
+* ``numba`` (fallback when the native build fails): ``@njit(parallel=True, fastmath=False, cache=True)``, threads over chunks of blocks.
   Per block, in one visit of its elements while they sit in L1: dequantize m and v, scale the gradient by the
   clip coefficient, AdamW with decoupled weight decay and bias correction, find the block's new absmax, requantize
   m and v to the nearest code, write the fp32 master and, optionally, its bf16 copy. Memory traffic per element:
@@ -28,14 +31,16 @@ from __future__ import annotations
 import math
 import os
 import threading
+import warnings
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from . import native
 from .quant import ABSMAX_FLOOR, LOOKUP_SHIFT, Quantized8bit
 
-BACKENDS: tuple[str, ...] = ("numba", "torch")
+BACKENDS: tuple[str, ...] = ("native", "numba", "torch")
 BACKEND_ENV = "LAZYTRAIN_OPTIM_BACKEND"
 
 # Elements per unit of parallel work in the numba kernel: large enough that thread scheduling is negligible,
@@ -62,19 +67,44 @@ _KERNEL_LOCK = threading.Lock()
 
 
 def resolve_backend(backend: str | None) -> str:
-    """Pick the kernel backend: the argument, else ``$LAZYTRAIN_OPTIM_BACKEND``, else numba when importable."""
+    """Pick the kernel backend: the argument, else ``$LAZYTRAIN_OPTIM_BACKEND``, else native -> numba -> torch.
+
+    native is the default where its AVX-512 path runs (or numba is missing); on other CPUs numba is faster.
+
+    The default builds the native kernel on first use (cached on disk); if that fails it warns once and uses numba.
+    An explicitly requested backend that cannot run raises instead.
+    """
     source = "backend"
     if backend is None:
         backend = os.environ.get(BACKEND_ENV) or None
         source = BACKEND_ENV
     if backend is None:
+        if native.available():
+            # The generic C path (no AVX-512) is slower than the numba kernel: prefer numba there.
+            return "native" if native.isa() == "avx512" or not NUMBA_AVAILABLE else "numba"
+        _warn_native_fallback()
         return "numba" if NUMBA_AVAILABLE else "torch"
     backend = str(backend).lower()
     if backend not in BACKENDS:
         raise ValueError(f"{source}={backend!r} is not a kernel backend; use one of {BACKENDS} (or leave it unset).")
     if backend == "numba" and not NUMBA_AVAILABLE:
         raise ImportError(f"{source}='numba' but numba is not importable; `pip install numba` or use backend='torch'.")
+    if backend == "native" and not native.available():
+        raise ImportError(f"{source}='native' but the C kernel could not be built: {native.error()}")
     return backend
+
+
+_NATIVE_WARNED = False
+
+
+def _warn_native_fallback() -> None:
+    global _NATIVE_WARNED
+    if not _NATIVE_WARNED:
+        _NATIVE_WARNED = True
+        fallback = "numba" if NUMBA_AVAILABLE else "torch"
+        warnings.warn(
+            f"lazytrain_hf: native optimizer kernel unavailable ({native.error()}); using {fallback}.", stacklevel=3
+        )
 
 
 @dataclass(frozen=True)
@@ -406,6 +436,13 @@ def adamw8bit_step(
     Updates ``p``, ``m`` and ``v`` in place; ``g`` is only read (the clip coefficient is applied on the fly). When
     ``out_bf16`` is given (a contiguous bf16 tensor of the same numel) it receives ``p.to(torch.bfloat16)``.
     """
+    if backend == "native":
+        # Thread-safe (no shared state between calls), so no lock; small tensors run on the calling thread.
+        threads = torch.get_num_threads() if p.numel() >= PARALLEL_MIN_ELEMENTS else 1
+        native.adamw8bit_step(
+            p, g, m, v, scalars.as_float32(), out_bf16, threads, max(1, CHUNK_ELEMENTS // m.block_size)
+        )
+        return
     if backend == "numba":
         clip, decay, w1, b2, w2, neg_step, bc2s, eps = scalars.as_float32()
         out16 = out_bf16.view(torch.int16).numpy().view(np.uint16) if out_bf16 is not None else np.empty(0, np.uint16)
