@@ -1,0 +1,236 @@
+"""``lazytrain`` console script: ``plan`` and ``simulate`` (no GPU, no Trainer import); ``bench`` plugs in below.
+
+lazytrain plan --model qwen2.5-7b --hardware h800 --seq-len 1024
+lazytrain plan --model qwen3-8b --hardware rtx3090 --seq-len 1024 --auto-batch-size --timeline out.png --json
+lazytrain plan --model path/to/config.json --hardware my_profile.json --seq-len 2048 --gpu-budget 70GiB
+lazytrain simulate --plan plan.json --model qwen2.5-7b --hardware h800 --timeline out.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import warnings
+from collections.abc import Callable, Sequence
+from typing import Any
+
+from .units import format_bytes, parse_bytes
+
+
+def _budget(option: str) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            return parse_bytes(text, option)  # type: ignore[return-value]
+        except ValueError as e:
+            raise argparse.ArgumentTypeError(str(e)) from e
+
+    return parse
+
+
+def _tiers(text: str) -> tuple[str, ...]:
+    from .planner.plan import INPUT_TIERS
+
+    tiers = tuple(t.strip() for t in text.split(",") if t.strip())
+    bad = [t for t in tiers if t not in INPUT_TIERS]
+    if bad or not tiers:
+        raise argparse.ArgumentTypeError(f"--tiers={text!r}: use a comma list of {', '.join(INPUT_TIERS)}.")
+    return tiers
+
+
+def _add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", required=True, help="zoo name (e.g. qwen2.5-7b) or path to an HF config.json / dir")
+    p.add_argument(
+        "--hardware", required=True, help="bundled profile (h800, h200, a100-80g, rtx3090, rtx4090, cpu) or JSON"
+    )
+    p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
+    p.add_argument("--gpu-budget", type=_budget("--gpu-budget"), default=None, help="e.g. 70GiB (default: 90%% of it)")
+    p.add_argument(
+        "--host-budget", type=_budget("--host-budget"), default=None, help="pinned host bytes for activations"
+    )
+    p.add_argument("--nvme-budget", type=_budget("--nvme-budget"), default=0, help="NVMe bytes for activations")
+    p.add_argument(
+        "--tiers", type=_tiers, default=("gpu", "cpu"), help="where activations may live, e.g. gpu,cpu,nvme"
+    )
+    p.add_argument("--timeline", default=None, help="write the simulated timeline PNG here")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+
+
+def make_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="lazytrain", description="LazyTrain planner and tools.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("plan", help="solve the MILP plan for a model on a hardware profile and compare baselines")
+    _add_model_args(p)
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--batch-size", type=int, default=None, help="micro-batch size (default 1)")
+    g.add_argument("--auto-batch-size", action="store_true", help="search the micro-batch size with the best tokens/s")
+    p.add_argument("--max-batch-size", type=int, default=256, help="upper end of batch searches")
+    p.add_argument("--time-limit", type=float, default=30.0, help="MILP solver seconds")
+    p.add_argument("--gap", type=float, default=0.01, help="relative MIP gap")
+    p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
+    p.add_argument("--save", default=None, help="write the plan JSON here")
+    p.set_defaults(func=cmd_plan)
+
+    p = sub.add_parser("simulate", help="replay a saved plan JSON on a hardware profile")
+    _add_model_args(p)
+    p.add_argument("--plan", required=True, help="plan JSON written by `lazytrain plan --save`")
+    p.set_defaults(func=cmd_simulate)
+
+    # `bench` (executor benchmarks) registers here: sub.add_parser("bench", ...) with set_defaults(func=cmd_bench).
+    return parser
+
+
+def _predicted_keys(d: dict[str, Any]) -> dict[str, Any]:
+    from .planner.plan import PREDICTION_KEYS
+
+    return {k: d.get(k) for k in PREDICTION_KEYS}
+
+
+def _validate_common(args: argparse.Namespace) -> None:
+    if args.seq_len < 1:
+        raise ValueError(f"--seq-len={args.seq_len} must be >= 1 (e.g. 1024).")
+    if getattr(args, "batch_size", None) is not None and args.batch_size < 1:
+        raise ValueError(f"--batch-size={args.batch_size} must be >= 1.")
+
+
+def cmd_plan(args: argparse.Namespace) -> int:
+    from .planner import baselines as bl
+    from .planner import milp
+    from .planner.costmodel import CostModel
+    from .planner.hardware import get_profile
+    from .planner.simulate import draw_timeline, simulate
+
+    _validate_common(args)
+    hw = get_profile(args.hardware)
+    gpu = args.gpu_budget or hw.default_gpu_budget()
+    host = hw.default_host_budget() if args.host_budget is None else args.host_budget
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        plan = milp.plan_for_model(
+            args.model,
+            hw,
+            args.seq_len,
+            micro_batch_size=args.batch_size,
+            auto_batch_size=args.auto_batch_size,
+            gpu_budget=gpu,
+            host_budget=host,
+            nvme_budget=args.nvme_budget,
+            allowed_tiers=args.tiers,
+            max_batch_size=args.max_batch_size,
+            time_limit=args.time_limit,
+            gap=args.gap,
+            solver=args.solver,
+        )
+    cfg, _ = milp._resolve_config(args.model)
+    cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=plan.model)
+    baselines: dict[str, Any] = {}
+    for name in bl.BASELINES:
+        bp = bl.make_baseline(name, cm)
+        baselines[name] = _predicted_keys(bp.predicted) if bl.fits(bp, cm, gpu, host, args.nvme_budget) else None
+    max_bs: dict[str, int] = {}
+    if "max_batch_size" in plan.predicted:
+        max_bs["milp"] = int(plan.predicted["max_batch_size"])
+    else:
+        max_bs["milp"] = milp.max_feasible_batch(
+            lambda b: milp.milp_feasible(cm.with_batch(b), gpu, host, args.nvme_budget, args.tiers),
+            args.max_batch_size,
+        )
+    for name in bl.BASELINES:
+        max_bs[name] = bl.max_batch_size(name, cm, gpu, host, args.max_batch_size)
+    sim = simulate(plan, cm)
+    if args.timeline:
+        draw_timeline(
+            sim, args.timeline, title=f"{plan.model} on {hw.name}, B={plan.micro_batch_size} T={args.seq_len}"
+        )
+    if args.save:
+        plan.to_json(args.save)
+    solver = {k: plan.solver.get(k) for k in ("status", "seconds", "gap")}
+    if args.json:
+        out = {
+            "plan": plan.to_dict(),
+            "predicted": _predicted_keys(plan.predicted),
+            "baselines": baselines,
+            "max_batch_size": max_bs,
+            "solver": solver,
+        }
+        print(json.dumps(out, indent=2))
+    else:
+        print(plan.table())
+        print(
+            f"\nsimulated: step {sim.step_time_s:.4f} s, {sim.tflops:.1f} TFLOPS, {sim.tokens_per_s:.0f} tokens/s, "
+            f"peak device {format_bytes(sim.peak_gpu_bytes)}"
+        )
+        mt = baselines.get("megatrain")
+        print(f"\n{'plan':<20} {'step s':>9} {'TFLOPS':>8} {'vs megatrain':>12} {'peak GPU':>10} {'max batch':>9}")
+        rows = [("milp", _predicted_keys(plan.predicted)), *baselines.items()]
+        for name, p in rows:
+            if p is None:
+                print(f"{name:<20} {'does not fit':>9} {'':>8} {'':>12} {'':>10} {max_bs.get(name, 0):>9}")
+                continue
+            ratio = f"{p['tflops'] / mt['tflops']:.2f}x" if mt else "-"
+            print(
+                f"{name:<20} {p['step_time_s']:>9.4f} {p['tflops']:>8.1f} {ratio:>12} "
+                f"{format_bytes(p['peak_gpu_bytes']):>10} {max_bs.get(name, 0):>9}"
+            )
+        if args.timeline:
+            print(f"timeline: {args.timeline}")
+    for w in caught:
+        print(f"warning: {w.message}", file=sys.stderr)
+    return 0
+
+
+def cmd_simulate(args: argparse.Namespace) -> int:
+    from .planner import milp
+    from .planner.costmodel import CostModel
+    from .planner.hardware import get_profile
+    from .planner.plan import Plan
+    from .planner.simulate import draw_timeline, simulate
+
+    _validate_common(args)
+    plan = Plan.from_json(args.plan)
+    hw = get_profile(args.hardware)
+    cfg, name = milp._resolve_config(args.model)
+    cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=name)
+    plan.validate(cm.num_layers)
+    sim = simulate(plan, cm)
+    ev = milp.evaluate_plan(plan, cm)
+    gpu = args.gpu_budget or hw.default_gpu_budget()
+    if args.timeline:
+        draw_timeline(sim, args.timeline)
+    if args.json:
+        print(
+            json.dumps(
+                {"simulated": sim.predictions(), "stage_model": ev.predictions(), "fits": ev.peak_gpu_bytes <= gpu},
+                indent=2,
+            )
+        )
+    else:
+        print(plan.table())
+        print(
+            f"simulated: step {sim.step_time_s:.4f} s, {sim.tflops:.1f} TFLOPS, {sim.tokens_per_s:.0f} tokens/s, "
+            f"peak device {format_bytes(sim.peak_gpu_bytes)}; stage model: {ev.step_time_s:.4f} s; "
+            f"{'fits' if ev.peak_gpu_bytes <= gpu else 'does NOT fit'} {format_bytes(gpu)}"
+        )
+        for lane in ("compute", "h2d", "d2h", "cpu"):
+            print(f"  {lane:<8} busy {100 * sim.busy_fraction(lane):5.1f}%")
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.func(args)
+    except (ValueError, TypeError, ImportError) as e:
+        from .planner.milp import PlanInfeasibleError
+
+        if isinstance(e, PlanInfeasibleError):
+            print(f"error: {e}", file=sys.stderr)
+            return 3
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,574 @@
+"""Cost model: per-layer FLOPs, bytes and times of one training step, from any HF config (no weights needed).
+
+Symbols (one micro-batch; ``db`` = bytes of the compute dtype, 2 for bf16):
+
+    B  micro-batch size          T  sequence length          N = B * T tokens
+    d  hidden size               I  MLP intermediate size    V  vocabulary size
+    H  query heads               Hkv key/value heads         hd head dim; hq = H * hd, hkv = Hkv * hd
+    E  experts, k experts per token, Ie expert intermediate size, S = N * k routed (token, expert) pairs
+    Hv / Hk linear-attention value / key heads, dv / dk their head dims, K conv kernel, C = 64 delta-rule chunk
+
+Saved-activation bytes (``A``) count what autograd really saves for backward in a transformers 5 Qwen decoder
+layer (sum of unique storages, parameters excluded, the shared rotary cos/sin excluded), term by term as the ops
+save them; `tests/test_planner_costmodel.py` checks the formulas against `torch.autograd.graph.saved_tensors_hooks`
+on tiny qwen2 / qwen3 / qwen3_moe / qwen3_5_text models. FLOPs follow the usual 2 * m * n * k per GEMM (nanoGPT
+``estimate_mfu``, Megatron-LM's Narayanan et al. 2021, appendix) with the causal attention GEMMs halved (flash
+kernels skip masked blocks); backward is 2x forward.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..models import layer_kinds
+from .hardware import HardwareProfile, get_profile
+from .plan import POLICIES
+
+ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
+DELTA_RULE_CHUNK = 64  # chunk_size of transformers' torch_chunk_gated_delta_rule
+FP32 = 4
+INT64 = 8
+INT32 = 4
+# Host bytes per parameter of the model state: fp32 master (4) + compute copy (db) + fp32 grad (4) + 8-bit m and v
+# (1 + 1) + one fp32 absmax per 256-element block for each moment (2 * 4 / 256).
+_HOST_STATE_FIXED = 4 + 4 + 2 + 8 / 256
+
+
+# ------------------------------------------------------------------------------------------------ config access
+def _get(config: Any, name: str, default: Any = None) -> Any:
+    value = getattr(config, name, default)
+    return default if value is None else value
+
+
+def _dims(config: Any) -> dict[str, int]:
+    d = int(config.hidden_size)
+    H = int(config.num_attention_heads)
+    hd = int(_get(config, "head_dim", d // H))
+    Hkv = int(_get(config, "num_key_value_heads", H))
+    return dict(d=d, H=H, hd=hd, Hkv=Hkv, hq=H * hd, hkv=Hkv * hd, V=int(config.vocab_size))
+
+
+def _gated_attention(config: Any) -> bool:
+    # Qwen3-Next / Qwen3.5 full attention: q_proj also emits a sigmoid output gate, and q/k norms are (1 + w) RMSNorms.
+    return config.model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
+
+
+def _has_qk_norm(config: Any) -> bool:
+    return config.model_type != "qwen2" and config.model_type != "qwen2_moe"
+
+
+def _attention_bias(config: Any) -> bool:
+    if config.model_type in ("qwen2", "qwen2_moe"):
+        return True  # Qwen2Attention hard-codes bias on q/k/v
+    return bool(_get(config, "attention_bias", False))
+
+
+def _num_experts(config: Any) -> int:
+    return int(_get(config, "num_experts", 0) or _get(config, "num_local_experts", 0))
+
+
+def _shared_expert_size(config: Any) -> int:
+    return int(_get(config, "shared_expert_intermediate_size", 0))
+
+
+def _linear_dims(config: Any) -> dict[str, int]:
+    Hv = int(_get(config, "linear_num_value_heads", 32))
+    Hk = int(_get(config, "linear_num_key_heads", 16))
+    dk = int(_get(config, "linear_key_head_dim", 128))
+    dv = int(_get(config, "linear_value_head_dim", 128))
+    K = int(_get(config, "linear_conv_kernel_dim", 4))
+    return dict(Hv=Hv, Hk=Hk, dk=dk, dv=dv, K=K, conv=2 * Hk * dk + Hv * dv, vd=Hv * dv)
+
+
+# ------------------------------------------------------------------------------------------------ parameters
+def layer_param_count(config: Any, kind: str) -> int:
+    """Parameters of one decoder layer of ``kind`` (as the transformers 5 modules define them)."""
+    m = _dims(config)
+    d = m["d"]
+    attn, _, moe = kind.partition("+")
+    n = 2 * d  # input_layernorm, post_attention_layernorm
+    if attn == "full_attention":
+        q_out = m["hq"] * (2 if _gated_attention(config) else 1)
+        n += d * q_out + 2 * d * m["hkv"] + m["hq"] * d
+        if _attention_bias(config):
+            n += q_out + 2 * m["hkv"] + (d if config.model_type not in ("qwen2", "qwen2_moe") else 0)
+        if _has_qk_norm(config):
+            n += 2 * m["hd"]
+    else:
+        ld = _linear_dims(config)
+        # in_proj_qkv + in_proj_z + in_proj_b + in_proj_a + depthwise conv1d + dt_bias + A_log + gated norm + out_proj
+        n += d * ld["conv"] + d * ld["vd"] + 2 * d * ld["Hv"] + ld["conv"] * ld["K"] + 2 * ld["Hv"] + ld["dv"]
+        n += ld["vd"] * d
+    if moe:
+        E = _num_experts(config)
+        Ie = int(config.moe_intermediate_size)
+        n += E * d + 3 * E * d * Ie  # router + fused gate_up / down experts
+        Is = _shared_expert_size(config)
+        if Is:
+            n += 3 * d * Is + d  # shared expert MLP + its sigmoid gate
+    else:
+        n += 3 * d * int(config.intermediate_size)
+    return n
+
+
+# ------------------------------------------------------------------------------------------------ saved bytes
+def _rmsnorm_saved(rows: int, width: int, db: int, one_plus_weight: bool) -> int:
+    """What an RMSNorm saves (its output is counted by its consumer).
+
+    Qwen2/Qwen3 RMSNorm: ``x32 = x.float()`` (pow, mul), ``rsqrt`` (mul), ``normed.to(dtype)`` (weight mul).
+    Qwen3.5 (1 + w) RMSNorm: ``x32``, ``rsqrt``, the fp32 ``(1 + w)`` and the fp32 normalized ``x32 * rsqrt``.
+    """
+    if one_plus_weight:
+        return rows * width * FP32 + rows * FP32 + width * FP32 + rows * width * FP32
+    return rows * width * FP32 + rows * FP32 + rows * width * db
+
+
+def _attention_core_saved(m: dict[str, int], B: int, T: int, db: int, attn_impl: str) -> int:
+    N = B * T
+    if attn_impl == "sdpa":
+        # flash / efficient SDPA: q, k, v (GQA without repeat), output, fp32 logsumexp per (B, H, T)
+        return N * m["hq"] * db + 2 * N * m["hkv"] * db + N * m["hq"] * db + N * m["H"] * FP32
+    # eager: repeated k and v, q, fp32 softmax probs (plus their dtype copy), and the contiguous output
+    probs = B * m["H"] * T * T
+    return (
+        2 * N * m["hq"] * db + N * m["hq"] * db + probs * FP32 + (probs * db if db != FP32 else 0) + N * m["hq"] * db
+    )
+
+
+def _full_attention_saved(config: Any, B: int, T: int, db: int, attn_impl: str) -> int:
+    m = _dims(config)
+    N = B * T
+    gated = _gated_attention(config)
+    n = 0
+    if _has_qk_norm(config):
+        n += _rmsnorm_saved(N * m["H"], m["hd"], db, gated) + _rmsnorm_saved(N * m["Hkv"], m["hd"], db, gated)
+    n += _attention_core_saved(m, B, T, db, attn_impl)
+    if gated:
+        # the gate half of q_proj reshaped contiguous and its sigmoid, then o_proj's input (output * gate)
+        n += 3 * N * m["hq"] * db
+    elif attn_impl == "eager":
+        pass  # o_proj input counted in the eager core (contiguous copy)
+    return n
+
+
+def _linear_attention_saved(config: Any, B: int, T: int, db: int) -> int:
+    """Gated DeltaNet as transformers runs it without the fla kernels (torch conv1d + torch_chunk_gated_delta_rule)."""
+    ld = _linear_dims(config)
+    Hv, dk, dv, K, C = ld["Hv"], ld["dk"], ld["dv"], ld["K"], DELTA_RULE_CHUNK
+    N = B * T
+    Tp = -(-T // C) * C  # sequence padded to whole chunks
+    nc = Tp // C
+    n = 0
+    # projections and short conv: conv input, full padded conv output (silu input), sigmoid(b), softplus(a) path
+    n += B * ld["conv"] * T * db + B * ld["conv"] * (T + K - 1) * db + N * Hv * db + 2 * Hv * FP32 + 2 * N * Hv * FP32
+    # delta rule inputs in fp32 (q, k repeated to Hv heads), l2norm inverse norms, beta, v, normalized k
+    n += 2 * B * Hv * T * dk * FP32 + 2 * B * Hv * T * FP32 + B * Hv * Tp * FP32 + B * Hv * Tp * dv * FP32
+    n += B * Hv * Tp * dk * FP32
+    # intra-chunk: causal mask; pairwise decay, kk^T, ut system, qk^T, intra attn (C x C each); k and scaled q
+    n += C * C + 5 * B * Hv * Tp * C * FP32 + 2 * B * Hv * Tp * dk * FP32
+    # cum decay and its two exps, new values, k_cumdecay, chunk decay, states read per chunk, v_new, decayed k
+    n += 3 * B * Hv * Tp * FP32 + B * Hv * Tp * dv * FP32 + B * Hv * Tp * dk * FP32 + B * Hv * nc * FP32
+    n += nc * B * Hv * dk * dv * FP32 + B * Hv * Tp * dv * FP32
+    # decayed q (reads of a state that needs grad) and decayed k (state updates) are saved only from the second
+    # chunk on: chunk 0 reads the zero initial state and the last update is dropped (no final state is returned)
+    n += 2 * B * Hv * Tp * dk * FP32 if nc > 1 else 0
+    # gated RMSNorm on the output (fp32 in, rsqrt, dtype normed, fp32 gate and silu, dtype product) + out_proj input
+    n += 3 * N * ld["vd"] * FP32 + N * Hv * FP32 + 3 * N * ld["vd"] * db
+    return n
+
+
+def _moe_saved(config: Any, B: int, T: int, db: int) -> int:
+    """Qwen3-MoE sparse block, transformers 5 ``grouped_mm`` experts (sorted tokens, fused gate_up / down)."""
+    m = _dims(config)
+    d = m["d"]
+    N = B * T
+    E = _num_experts(config)
+    k = int(config.num_experts_per_tok)
+    Ie = int(config.moe_intermediate_size)
+    S = N * k
+    n = N * E * FP32 + N * k * INT64  # router softmax (fp32), top-k indices
+    if _get(config, "norm_topk_prob", False):
+        n += N * FP32 + N * k * FP32  # renormalisation: row sums and top-k values
+    n += 2 * S * INT64 + E * INT32  # sort permutation, gather index, group offsets
+    n += S * d * db + S * 2 * Ie * db + 2 * S * Ie * db + S * db + S * d * db + S * INT64  # experts path, inverse perm
+    Is = _shared_expert_size(config)
+    if Is:
+        n += 4 * N * Is * db + N * d * db + N * db  # shared expert MLP, its output and sigmoid gate
+    return n
+
+
+def _mlp_saved(config: Any, B: int, T: int, db: int) -> int:
+    # gate_proj out (silu), silu out (mul), up_proj out (mul), product (down_proj input)
+    return 4 * B * T * int(config.intermediate_size) * db
+
+
+def layer_saved_bytes(config: Any, kind: str, B: int, T: int, db: int = 2, attn_impl: str = "sdpa") -> int:
+    """Bytes a decoder layer of ``kind`` saves for backward when nothing is recomputed (``keep``)."""
+    if attn_impl not in ATTN_IMPLEMENTATIONS:
+        raise ValueError(f"attn_implementation={attn_impl!r} is not supported; use one of {ATTN_IMPLEMENTATIONS}.")
+    d = int(config.hidden_size)
+    N = B * T
+    attn, _, moe = kind.partition("+")
+    one_plus = _gated_attention(config)
+    # two decoder RMSNorms and their outputs (inputs of the q/k/v and MLP projections)
+    n = 2 * _rmsnorm_saved(N, d, db, one_plus) + 2 * N * d * db
+    if attn == "full_attention":
+        n += _full_attention_saved(config, B, T, db, attn_impl)
+    else:
+        n += _linear_attention_saved(config, B, T, db)
+    n += _moe_saved(config, B, T, db) if moe else _mlp_saved(config, B, T, db)
+    return n
+
+
+def saved_activation_bytes(
+    config: Any,
+    layer_index: int,
+    policy: str,
+    micro_batch_size: int,
+    seq_len: int,
+    dtype_bytes: int = 2,
+    attn_implementation: str = "sdpa",
+) -> int:
+    """Device bytes layer ``layer_index`` holds between its forward and its backward under ``policy``.
+
+    ``keep``: everything the layer saves for backward; ``recompute``: only its input ``B * T * d * db``;
+    ``offload_cpu`` / ``offload_nvme``: 0 (the bytes live off the device).
+    """
+    if policy not in POLICIES:
+        raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
+    kinds = layer_kinds(config)
+    if not 0 <= layer_index < len(kinds):
+        raise ValueError(f"layer_index={layer_index} is out of range for {len(kinds)} layers.")
+    if policy == "keep":
+        return layer_saved_bytes(
+            config, kinds[layer_index], micro_batch_size, seq_len, dtype_bytes, attn_implementation
+        )
+    if policy == "recompute":
+        return micro_batch_size * seq_len * int(config.hidden_size) * dtype_bytes
+    return 0
+
+
+# ------------------------------------------------------------------------------------------------ FLOPs
+def layer_forward_flops(config: Any, kind: str, B: int, T: int) -> float:
+    """Forward FLOPs of one decoder layer (GEMMs + attention core; norms and elementwise ops neglected)."""
+    m = _dims(config)
+    d = m["d"]
+    N = B * T
+    attn, _, moe = kind.partition("+")
+    if attn == "full_attention":
+        q_out = m["hq"] * (2 if _gated_attention(config) else 1)
+        f = 2 * N * d * (q_out + 2 * m["hkv"]) + 2 * N * m["hq"] * d
+        f += 2 * B * m["H"] * T * T * m["hd"]  # QK^T and AV (2 * 2 * B * H * T^2 * hd), halved by the causal mask
+    else:
+        ld = _linear_dims(config)
+        C = DELTA_RULE_CHUNK
+        Tp = -(-T // C) * C
+        f = 2 * N * d * (ld["conv"] + ld["vd"] + 2 * ld["Hv"]) + 2 * N * ld["vd"] * d + 2 * N * ld["conv"] * ld["K"]
+        # chunked delta rule per token and head: intra-chunk kk^T, qk^T, two triangular solves, attn @ v_new,
+        # and the state read / update (k_cumdecay @ S, q @ S, k^T @ v_new)
+        f += B * Tp * ld["Hv"] * (C * (5 * ld["dk"] + 3 * ld["dv"]) + 6 * ld["dk"] * ld["dv"])
+    if moe:
+        E = _num_experts(config)
+        k = int(config.num_experts_per_tok)
+        f += 2 * N * d * E + 6 * N * k * d * int(config.moe_intermediate_size)
+        Is = _shared_expert_size(config)
+        if Is:
+            f += 6 * N * d * Is + 2 * N * d
+    else:
+        f += 6 * N * d * int(config.intermediate_size)
+    return float(f)
+
+
+# ------------------------------------------------------------------------------------------------ cost model
+@dataclass
+class LayerCost:
+    """Costs of one decoder layer for one micro-batch (bytes, FLOP, seconds).
+
+    Args:
+        weight_bytes: ``w_i``, compute-dtype weights streamed to the device.
+        grad_bytes: ``g_i``, gradient bytes sent device -> host.
+        input_bytes: ``x_i = B * T * d * db``, the layer input (all a recomputed layer saves).
+        saved_bytes: ``A_i``, what the layer saves for backward under ``keep``.
+        flops_fwd: forward FLOPs (backward is 2x).
+        fwd_s, bwd_s: forward / backward seconds (``f_i``, ``k_i``); recompute costs ``fwd_s`` again.
+        ws_fwd_bytes, ws_bwd_bytes: transient device memory while the layer computes forward / backward, beyond its
+            saved tensors and weights (hidden states in and out, unsaved intermediates, activation gradients).
+        optimizer_s: ``o_i``, CPU optimizer seconds for the layer's parameters.
+    """
+
+    index: int
+    kind: str
+    params: int
+    weight_bytes: int
+    grad_bytes: int
+    input_bytes: int
+    saved_bytes: int
+    flops_fwd: float
+    fwd_s: float
+    bwd_s: float
+    ws_fwd_bytes: int
+    ws_bwd_bytes: int
+    optimizer_s: float
+
+    @property
+    def recompute_s(self) -> float:
+        return self.fwd_s
+
+    def device_saved_bytes(self, policy: str) -> int:
+        """Bytes held on the device between forward and backward under ``policy``."""
+        if policy == "keep":
+            return self.saved_bytes
+        if policy == "recompute":
+            return self.input_bytes
+        if policy in ("offload_cpu", "offload_nvme"):
+            return 0
+        raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
+
+
+@dataclass
+class CostModel:
+    """Everything the MILP, the baselines and the simulator need about one (model, hardware, batch) triple.
+
+    Build it with `CostModel.from_config`. Embedding and lm_head are kept resident on the device; their updated
+    weights are uploaded after the CPU optimizer step (embedding before the next forward, lm_head before the head).
+    """
+
+    layers: list[LayerCost]
+    hardware: HardwareProfile
+    micro_batch_size: int
+    seq_len: int
+    dtype_bytes: int
+    grad_dtype_bytes: int
+    loss_chunk_tokens: int
+    attn_implementation: str
+    model_name: str
+    embed_params: int
+    head_params: int  # 0 when lm_head is tied to the embedding
+    head_flops: float  # final norm + lm_head + cross entropy, forward and backward
+    head_s: float
+    head_ws_bytes: int  # chunked-loss working set (one chunk's logits, fp32 copy and gradient) + hidden states
+    config: Any = field(default=None, repr=False)
+    measured: bool = False
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def from_config(
+        cls,
+        config: Any,
+        hardware: HardwareProfile | str,
+        seq_len: int,
+        micro_batch_size: int,
+        dtype_bytes: int = 2,
+        *,
+        grad_dtype_bytes: int | None = None,
+        loss_chunk_tokens: int = 1024,
+        attn_implementation: str = "sdpa",
+        model_name: str | None = None,
+    ) -> CostModel:
+        """Cost model of ``config`` (an HF config or a zoo config) on ``hardware`` for ``micro_batch_size`` x
+        ``seq_len`` tokens in a ``dtype_bytes`` compute dtype."""
+        hardware = get_profile(hardware)
+        for name, value in (("seq_len", seq_len), ("micro_batch_size", micro_batch_size)):
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"{name}={value!r} must be an int >= 1.")
+        if dtype_bytes not in (2, 4):
+            raise ValueError(f"dtype_bytes={dtype_bytes!r} must be 2 (bf16/fp16) or 4 (fp32).")
+        if loss_chunk_tokens < 1:
+            raise ValueError(f"loss_chunk_tokens={loss_chunk_tokens} must be >= 1 (e.g. 1024).")
+        if attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(
+                f"attn_implementation={attn_implementation!r} is not supported; use one of {ATTN_IMPLEMENTATIONS}."
+            )
+        config = getattr(config, "config", config)
+        gdb = dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
+        B, T = micro_batch_size, seq_len
+        N = B * T
+        m = _dims(config)
+        d, V = m["d"], m["V"]
+        rate = hardware.flops_per_s
+        layers = []
+        for i, kind in enumerate(layer_kinds(config)):
+            p = layer_param_count(config, kind)
+            flops = layer_forward_flops(config, kind, B, T)
+            x = N * d * dtype_bytes
+            act_inner = _inner_width(config, kind) * (int(config.num_experts_per_tok) if "+moe" in kind else 1)
+            eager_probs = B * m["H"] * T * T * FP32 if (attn_implementation == "eager" and "full" in kind) else 0
+            layers.append(
+                LayerCost(
+                    index=i,
+                    kind=kind,
+                    params=p,
+                    weight_bytes=p * dtype_bytes,
+                    grad_bytes=p * gdb,
+                    input_bytes=x,
+                    saved_bytes=layer_saved_bytes(config, kind, B, T, dtype_bytes, attn_implementation),
+                    flops_fwd=flops,
+                    fwd_s=flops / rate,
+                    bwd_s=2 * flops / rate,
+                    # in + out hidden states and one gate/up pair in flight (what a recomputed forward holds)
+                    ws_fwd_bytes=2 * x + 2 * N * act_inner * dtype_bytes + eager_probs,
+                    # gradient in/out, fp32 norm upcast, gate/up gradients beside the recomputed pair
+                    ws_bwd_bytes=2 * x + N * d * FP32 + 4 * N * act_inner * dtype_bytes + 2 * eager_probs,
+                    optimizer_s=p / hardware.cpu_optimizer_params_per_s,
+                )
+            )
+        tied = bool(_get(config, "tie_word_embeddings", False))
+        embed_params = V * d
+        head_params = 0 if tied else V * d + d  # lm_head + final norm
+        if tied:
+            embed_params += d  # final norm rides with the embedding
+        head_flops = 3 * 2 * N * d * V  # lm_head forward (2NdV) + backward (4NdV)
+        chunk = min(loss_chunk_tokens, N)
+        head_ws = chunk * V * (dtype_bytes + FP32 + FP32) + 3 * N * d * FP32
+        cm = cls(
+            layers=layers,
+            hardware=hardware,
+            micro_batch_size=B,
+            seq_len=T,
+            dtype_bytes=dtype_bytes,
+            grad_dtype_bytes=gdb,
+            loss_chunk_tokens=loss_chunk_tokens,
+            attn_implementation=attn_implementation,
+            model_name=model_name or getattr(config, "name", None) or getattr(config, "_name_or_path", "") or "",
+            embed_params=embed_params,
+            head_params=head_params,
+            head_flops=float(head_flops),
+            head_s=head_flops / rate,
+            head_ws_bytes=int(head_ws),
+            config=config,
+        )
+        if hardware.layer_times and hardware.layer_times_shape:
+            cm = cm._with_profile_layer_times()
+        return cm
+
+    def _with_profile_layer_times(self) -> CostModel:
+        b0, t0 = self.hardware.layer_times_shape
+        scale = (self.micro_batch_size * self.seq_len) / (b0 * t0)  # layer time is ~ linear in tokens
+        fwd, bwd = [], []
+        for lc in self.layers:
+            measured = self.hardware.layer_times.get(lc.kind)
+            fwd.append(measured[0] * scale if measured else lc.fwd_s)
+            bwd.append(measured[1] * scale if measured else lc.bwd_s)
+        return self.with_measured_times(fwd, bwd)
+
+    def with_measured_times(self, fwd_s: list[float], bwd_s: list[float]) -> CostModel:
+        """A copy whose per-layer forward / backward seconds are the measured ones (e.g. from timed warm-up steps).
+        Recompute time follows the forward time."""
+        L = len(self.layers)
+        if len(fwd_s) != L or len(bwd_s) != L:
+            raise ValueError(f"with_measured_times: got {len(fwd_s)} fwd and {len(bwd_s)} bwd times for {L} layers.")
+        if any(t < 0 for t in [*fwd_s, *bwd_s]):
+            raise ValueError("with_measured_times: times must be >= 0 seconds.")
+        new = copy.copy(self)
+        new.layers = [
+            dataclasses.replace(lc, fwd_s=float(f), bwd_s=float(b)) for lc, f, b in zip(self.layers, fwd_s, bwd_s)
+        ]
+        new.measured = True
+        return new
+
+    def with_batch(self, micro_batch_size: int) -> CostModel:
+        """The same model and hardware at another micro-batch size (measured times scale with tokens)."""
+        new = CostModel.from_config(
+            self.config,
+            self.hardware,
+            self.seq_len,
+            micro_batch_size,
+            self.dtype_bytes,
+            grad_dtype_bytes=self.grad_dtype_bytes,
+            loss_chunk_tokens=self.loss_chunk_tokens,
+            attn_implementation=self.attn_implementation,
+            model_name=self.model_name,
+        )
+        if self.measured:
+            s = micro_batch_size / self.micro_batch_size
+            new = new.with_measured_times([lc.fwd_s * s for lc in self.layers], [lc.bwd_s * s for lc in self.layers])
+        return new
+
+    # ------------------------------------------------------------------ derived terms
+    @property
+    def num_layers(self) -> int:
+        return len(self.layers)
+
+    @property
+    def tokens(self) -> int:
+        return self.micro_batch_size * self.seq_len
+
+    @property
+    def embed_bytes(self) -> int:
+        return self.embed_params * self.dtype_bytes
+
+    @property
+    def head_bytes(self) -> int:
+        return self.head_params * self.dtype_bytes
+
+    @property
+    def embed_grad_bytes(self) -> int:
+        return self.embed_params * self.grad_dtype_bytes
+
+    @property
+    def head_grad_bytes(self) -> int:
+        return self.head_params * self.grad_dtype_bytes
+
+    @property
+    def embed_optimizer_s(self) -> float:
+        return self.embed_params / self.hardware.cpu_optimizer_params_per_s
+
+    @property
+    def head_optimizer_s(self) -> float:
+        return self.head_params / self.hardware.cpu_optimizer_params_per_s
+
+    @property
+    def total_params(self) -> int:
+        return sum(lc.params for lc in self.layers) + self.embed_params + self.head_params
+
+    @property
+    def fixed_device_bytes(self) -> int:
+        """Always on the device: the resident embedding and lm_head (+ final norm)."""
+        return self.embed_bytes + self.head_bytes
+
+    @property
+    def host_state_bytes(self) -> int:
+        """Host memory of the model state: fp32 master, compute copy, fp32 grads, 8-bit moments and their scales."""
+        return int(self.total_params * (_HOST_STATE_FIXED + self.dtype_bytes))
+
+    @property
+    def model_flops(self) -> float:
+        """Useful FLOPs of one step (forward + backward of layers and head; recomputation not counted)."""
+        return 3 * sum(lc.flops_fwd for lc in self.layers) + self.head_flops
+
+    @property
+    def h2d(self) -> float:
+        return self.hardware.h2d_bytes_per_s
+
+    @property
+    def d2h(self) -> float:
+        return self.hardware.d2h_bytes_per_s
+
+    @property
+    def nvme_r(self) -> float:
+        return self.hardware.nvme_read_bytes_per_s
+
+    @property
+    def nvme_w(self) -> float:
+        return self.hardware.nvme_write_bytes_per_s
+
+    def summary(self) -> str:
+        L = self.num_layers
+        A = sum(lc.saved_bytes for lc in self.layers) / L
+        w = sum(lc.weight_bytes for lc in self.layers) / L
+        f = sum(lc.fwd_s for lc in self.layers) / L
+        return (
+            f"{self.model_name or 'model'}: {L} layers, {self.total_params / 1e9:.2f}B params, B={self.micro_batch_size} "
+            f"T={self.seq_len}; per layer: w={w / 2**20:.0f}MiB A={A / 2**20:.0f}MiB f={f * 1e3:.2f}ms "
+            f"w/BW_h2d={w / self.h2d * 1e3:.2f}ms"
+        )
+
+
+def _inner_width(config: Any, kind: str) -> int:
+    """Width of the widest per-token intermediate (MLP / expert intermediate size)."""
+    if "+moe" in kind:
+        return int(config.moe_intermediate_size)
+    return int(config.intermediate_size)

@@ -1,0 +1,535 @@
+"""Hardware profiles: what the planner needs to know about a machine, bundled from datasheets or measured live.
+
+A `HardwareProfile` is plain data (JSON round trip). Bundled profiles are written from public datasheet facts and
+typical measured link speeds; `measure()` fills one on the machine it runs on (copy bandwidths, NVMe through a temp
+file, CPU optimizer rate, matmul rate) in a few seconds and can cache it as JSON for `lazytrain plan --hardware`.
+
+Symbols used across the planner (bytes, seconds, FLOP):
+
+- ``M_gpu``  device memory of one accelerator (on the CPU profile: the host memory the "device" tensors live in);
+- ``P``      dense bf16 peak FLOP/s, ``eta`` the fraction of it a decoder layer's GEMMs reach (MFU of one layer);
+- ``BW_h2d`` / ``BW_d2h``  pinned host <-> device copy bandwidth, one direction each (PCIe is full duplex);
+- ``BW_nvme_r`` / ``BW_nvme_w``  NVMe read / write bandwidth, ``M_nvme`` its free capacity;
+- ``M_host`` host RAM, ``R_opt`` CPU optimizer rate in parameters per second (Hybrid 8-bit AdamW step incl. clip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+GB = 10**9
+GiB = 2**30
+TiB = 2**40
+
+
+@dataclass
+class HardwareProfile:
+    """One accelerator plus its host, as the planner sees it.
+
+    Args:
+        name: profile name (``"h800"``, ``"measured"``, ...).
+        device_memory_bytes: ``M_gpu``, total memory of the device.
+        peak_tflops: ``P``, dense bf16 tensor-core peak in TFLOP/s (no sparsity).
+        achievable_fraction: ``eta``, fraction of ``peak_tflops`` a decoder layer reaches.
+        h2d_gbps: ``BW_h2d`` in GB/s (10**9 bytes/s), pinned host to device.
+        d2h_gbps: ``BW_d2h`` in GB/s, device to pinned host.
+        nvme_read_gbps: ``BW_nvme_r`` in GB/s.
+        nvme_write_gbps: ``BW_nvme_w`` in GB/s.
+        nvme_capacity_bytes: ``M_nvme``, free NVMe space for activation spill files.
+        host_memory_bytes: ``M_host``, host RAM.
+        cpu_optimizer_params_per_s: ``R_opt``, parameters per second of the CPU optimizer step (Hybrid 8-bit AdamW
+            with fused clipping, all cores).
+        device_type: ``"cuda"`` or ``"cpu"`` (the CPU executor: "device" tensors live in host memory).
+        source: where the numbers come from (datasheet, measurement).
+        layer_times: optional measured per-kind layer times ``{kind: [fwd_s, bwd_s]}`` with the batch shape they were
+            taken at under ``layer_times_shape`` (``[micro_batch_size, seq_len]``).
+    """
+
+    name: str
+    device_memory_bytes: int
+    peak_tflops: float
+    achievable_fraction: float
+    h2d_gbps: float
+    d2h_gbps: float
+    nvme_read_gbps: float
+    nvme_write_gbps: float
+    nvme_capacity_bytes: int
+    host_memory_bytes: int
+    cpu_optimizer_params_per_s: float
+    device_type: str = "cuda"
+    source: str = ""
+    layer_times: dict[str, list[float]] = field(default_factory=dict)
+    layer_times_shape: list[int] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        for name in (
+            "device_memory_bytes",
+            "peak_tflops",
+            "h2d_gbps",
+            "d2h_gbps",
+            "nvme_read_gbps",
+            "nvme_write_gbps",
+            "host_memory_bytes",
+            "cpu_optimizer_params_per_s",
+        ):
+            value = getattr(self, name)
+            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+                raise ValueError(
+                    f"HardwareProfile {self.name!r}: {name}={value!r} must be a positive number; fix the profile "
+                    "or re-run `measure()`."
+                )
+        if not 0 < self.achievable_fraction <= 1:
+            raise ValueError(
+                f"HardwareProfile {self.name!r}: achievable_fraction={self.achievable_fraction!r} must be in (0, 1]."
+            )
+        if self.nvme_capacity_bytes < 0:
+            raise ValueError(f"HardwareProfile {self.name!r}: nvme_capacity_bytes must be >= 0.")
+        if self.device_type not in ("cuda", "cpu"):
+            raise ValueError(f"HardwareProfile {self.name!r}: device_type={self.device_type!r} must be cuda or cpu.")
+
+    # ------------------------------------------------------------------ derived rates
+    @property
+    def flops_per_s(self) -> float:
+        """Sustained FLOP/s of a decoder layer: ``P * eta``."""
+        return self.peak_tflops * 1e12 * self.achievable_fraction
+
+    @property
+    def h2d_bytes_per_s(self) -> float:
+        return self.h2d_gbps * GB
+
+    @property
+    def d2h_bytes_per_s(self) -> float:
+        return self.d2h_gbps * GB
+
+    @property
+    def nvme_read_bytes_per_s(self) -> float:
+        return self.nvme_read_gbps * GB
+
+    @property
+    def nvme_write_bytes_per_s(self) -> float:
+        return self.nvme_write_gbps * GB
+
+    def default_gpu_budget(self) -> int:
+        """Device memory the planner may use when no budget is given: ``M_gpu`` minus a 10% reserve (allocator
+        fragmentation, CUDA context, kernels' own workspaces)."""
+        return int(self.device_memory_bytes * 0.9)
+
+    def default_host_budget(self) -> int:
+        """Pinned host memory for offloaded activations when no budget is given: half of ``M_host``."""
+        return int(self.host_memory_bytes // 2)
+
+    # ------------------------------------------------------------------ serialisation
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = set(data) - known
+        if unknown:
+            raise ValueError(f"unknown hardware profile keys {sorted(unknown)}; known keys are {sorted(known)}.")
+        missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
+        missing = [m for m in missing if m not in ("layer_times", "layer_times_shape")]
+        if missing:
+            raise ValueError(f"hardware profile is missing keys {missing}; write them or re-run `measure()`.")
+        return cls(**data)
+
+    def to_json(self, path: str | None = None) -> str:
+        text = json.dumps(self.to_dict(), indent=2)
+        if path is not None:
+            with open(path, "w") as f:
+                f.write(text + "\n")
+        return text
+
+    @classmethod
+    def from_json(cls, path: str) -> HardwareProfile:
+        try:
+            with open(path) as f:
+                return cls.from_dict(json.load(f))
+        except json.JSONDecodeError as e:
+            raise ValueError(f"hardware profile {path} is not valid JSON ({e}); re-run `measure()`.") from e
+        except ValueError as e:
+            raise ValueError(f"hardware profile {path}: {e}") from e
+
+    def summary(self) -> str:
+        return (
+            f"{self.name}: {self.device_memory_bytes / GiB:.0f} GiB device, {self.peak_tflops:.0f} TFLOPS x "
+            f"{self.achievable_fraction:.2f}, H2D {self.h2d_gbps:.1f} GB/s, D2H {self.d2h_gbps:.1f} GB/s, NVMe "
+            f"{self.nvme_read_gbps:.1f}/{self.nvme_write_gbps:.1f} GB/s, host {self.host_memory_bytes / GiB:.0f} GiB, "
+            f"optimizer {self.cpu_optimizer_params_per_s / 1e9:.2f} Gparam/s"
+        )
+
+
+# Bundled profiles. Sources: NVIDIA datasheets for memory and dense bf16 tensor peak (no sparsity); pinned-copy
+# bandwidths are typical measured values (PCIe Gen5 x16 ~ 50 GB/s of 64, Gen4 x16 ~ 25 GB/s of 32); eta is the
+# fraction a bf16 transformer layer's GEMMs typically reach (Megatron-LM / nanoGPT MFU reports); NVMe: one PCIe Gen4
+# SSD (7/5 GB/s) on workstations, a 4-drive RAID-0 on servers. R_opt: a memory-bandwidth-bound fused AdamW over
+# ~20 B/param (fp32 master r/w, grad r, 8-bit m/v r/w, bf16 copy w): server DDR5 ~ 200 GB/s -> ~8e9 param/s,
+# workstation ~ 60 GB/s -> ~2.5e9 param/s.
+_BUNDLED: dict[str, dict[str, Any]] = {
+    "h800": dict(
+        device_memory_bytes=80 * GiB,
+        peak_tflops=989.5,
+        achievable_fraction=0.55,
+        h2d_gbps=50.0,
+        d2h_gbps=50.0,
+        nvme_read_gbps=24.0,
+        nvme_write_gbps=16.0,
+        nvme_capacity_bytes=8 * TiB,
+        host_memory_bytes=1 * TiB,
+        cpu_optimizer_params_per_s=8e9,
+        source="datasheet: H800 SXM5 80 GB HBM3, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
+    ),
+    "h200": dict(
+        device_memory_bytes=141 * GB,
+        peak_tflops=989.5,
+        achievable_fraction=0.55,
+        h2d_gbps=50.0,
+        d2h_gbps=50.0,
+        nvme_read_gbps=24.0,
+        nvme_write_gbps=16.0,
+        nvme_capacity_bytes=8 * TiB,
+        host_memory_bytes=3 * TiB // 2,
+        cpu_optimizer_params_per_s=8e9,
+        source="datasheet: H200 SXM 141 GB HBM3e, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
+    ),
+    "a100-80g": dict(
+        device_memory_bytes=80 * GiB,
+        peak_tflops=312.0,
+        achievable_fraction=0.6,
+        h2d_gbps=25.0,
+        d2h_gbps=25.0,
+        nvme_read_gbps=24.0,
+        nvme_write_gbps=16.0,
+        nvme_capacity_bytes=8 * TiB,
+        host_memory_bytes=1 * TiB,
+        cpu_optimizer_params_per_s=6e9,
+        source="datasheet: A100 SXM4 80 GB HBM2e, 312 TFLOPS dense bf16, PCIe Gen4 x16",
+    ),
+    "rtx3090": dict(
+        device_memory_bytes=24 * GiB,
+        peak_tflops=71.0,
+        achievable_fraction=0.7,
+        h2d_gbps=24.0,
+        d2h_gbps=24.0,
+        nvme_read_gbps=7.0,
+        nvme_write_gbps=5.0,
+        nvme_capacity_bytes=2 * TiB,
+        host_memory_bytes=512 * GiB,
+        cpu_optimizer_params_per_s=2.5e9,
+        source="datasheet: RTX 3090 24 GB GDDR6X, 71 TFLOPS bf16 with fp32 accumulate, PCIe Gen4 x16",
+    ),
+    "rtx4090": dict(
+        device_memory_bytes=24 * GiB,
+        peak_tflops=165.2,
+        achievable_fraction=0.65,
+        h2d_gbps=24.0,
+        d2h_gbps=24.0,
+        nvme_read_gbps=7.0,
+        nvme_write_gbps=5.0,
+        nvme_capacity_bytes=2 * TiB,
+        host_memory_bytes=512 * GiB,
+        cpu_optimizer_params_per_s=2.5e9,
+        source="datasheet: RTX 4090 24 GB GDDR6X, 165.2 TFLOPS bf16 with fp32 accumulate, PCIe Gen4 x16",
+    ),
+    # This kind of development machine: 2 AMD EPYC cores (AVX2/FMA), 24 GiB, no GPU. The CPU executor's "device"
+    # is host memory, so "H2D"/"D2H" are memcpy (1 GiB copy 18-21 GB/s). Peak: 2 cores x 2 FMA x 8 fp32 lanes x
+    # 2 FLOP x ~2.5 GHz = 160 GFLOP/s; eta 0.35 as measured for torch GEMMs of layer size. R_opt: torch fused AdamW
+    # runs 50M fp32 params in 44 ms (1.1e9 param/s); the 8-bit step does more work per element.
+    "cpu": dict(
+        device_memory_bytes=24 * GiB,
+        peak_tflops=0.16,
+        achievable_fraction=0.35,
+        h2d_gbps=19.0,
+        d2h_gbps=19.0,
+        nvme_read_gbps=1.0,
+        nvme_write_gbps=0.5,
+        nvme_capacity_bytes=20 * GiB,
+        host_memory_bytes=24 * GiB,
+        cpu_optimizer_params_per_s=0.8e9,
+        device_type="cpu",
+        source="measured facts of a 2-core AMD EPYC (AVX2) development machine, 24 GiB, no GPU",
+    ),
+}
+
+BUNDLED_PROFILES: tuple[str, ...] = tuple(_BUNDLED)
+
+
+def get_profile(name_or_path: str | HardwareProfile) -> HardwareProfile:
+    """A bundled profile by name (``h800``, ``h200``, ``a100-80g``, ``rtx3090``, ``rtx4090``, ``cpu``) or a profile
+    JSON written by `measure()` / `HardwareProfile.to_json`.
+
+    Raises:
+        ValueError: unknown name (the message lists the bundled names) or a malformed file.
+    """
+    if isinstance(name_or_path, HardwareProfile):
+        return name_or_path
+    if not isinstance(name_or_path, str) or not name_or_path:
+        raise TypeError(f"hardware={name_or_path!r} must be a profile name or a JSON path.")
+    key = name_or_path.lower()
+    if key in _BUNDLED:
+        return HardwareProfile(name=key, **_BUNDLED[key])
+    if name_or_path.endswith(".json") or os.path.sep in name_or_path:
+        if not os.path.isfile(name_or_path):
+            raise ValueError(
+                f"hardware profile file {name_or_path!r} does not exist; write one with "
+                "`lazytrain_hf.planner.hardware.measure(cache_path=...)` or use a bundled name "
+                f"({', '.join(BUNDLED_PROFILES)})."
+            )
+        return HardwareProfile.from_json(name_or_path)
+    raise ValueError(
+        f"hardware={name_or_path!r} is not a bundled profile; use one of {', '.join(BUNDLED_PROFILES)} or a path to "
+        "a profile JSON written by `measure()`."
+    )
+
+
+# ---------------------------------------------------------------------------------------------------- measure()
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _measure_copy(device: str, nbytes: int, repeats: int) -> tuple[float, float]:
+    import torch
+
+    n = nbytes // 2
+    if device == "cpu":
+        # The CPU executor copies between host buffers; both directions are memcpy.
+        a = torch.empty(n, dtype=torch.bfloat16).fill_(1)
+        b = torch.empty_like(a)
+        b.copy_(a)
+        t = _median_time(lambda: b.copy_(a), repeats)
+        return nbytes / t / GB, nbytes / t / GB
+    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True).fill_(1)
+    dev = torch.empty(n, dtype=torch.bfloat16, device=device)
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    def d2h() -> None:
+        host.copy_(dev, non_blocking=True)
+        torch.cuda.synchronize(device)
+
+    h2d()
+    d2h()
+    return nbytes / _median_time(h2d, repeats) / GB, nbytes / _median_time(d2h, repeats) / GB
+
+
+def _measure_nvme(directory: str | None, nbytes: int) -> tuple[float, float, int]:
+    """Write ``nbytes`` to a temp file with fsync, drop it from the page cache, read it back."""
+    import shutil
+
+    directory = directory or tempfile.gettempdir()
+    data = os.urandom(1 << 20) * max(1, nbytes >> 20)
+    fd, path = tempfile.mkstemp(dir=directory, prefix="lazytrain_nvme_probe_")
+    try:
+        t0 = time.perf_counter()
+        with os.fdopen(fd, "wb", buffering=0) as f:
+            f.write(data)
+            os.fsync(f.fileno())
+        t_write = time.perf_counter() - t0
+        with open(path, "rb", buffering=0) as f:
+            # Without dropping the pages the read would measure the page cache, not the drive.
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
+            t0 = time.perf_counter()
+            while f.read(1 << 24):
+                pass
+            t_read = time.perf_counter() - t0
+        free = shutil.disk_usage(directory).free
+    finally:
+        os.unlink(path)
+    return len(data) / t_read / GB, len(data) / t_write / GB, int(free)
+
+
+def _measure_optimizer(num_params: int, repeats: int, optimizer: str) -> tuple[float, str]:
+    import torch
+
+    p = torch.nn.Parameter(torch.zeros(num_params))
+    p.grad = torch.randn(num_params) * 1e-3
+    opt = None
+    used = "torch.optim.AdamW(fused=True), fp32 moments"
+    if optimizer in ("auto", "hybrid8bit"):
+        try:
+            from lazytrain_hf.optim import HybridAdamW8bit  # optional: the package's own CPU optimizer
+
+            opt = HybridAdamW8bit([p], lr=1e-5)
+            used = "HybridAdamW8bit"
+        except (ImportError, AttributeError, TypeError) as e:
+            if optimizer == "hybrid8bit":
+                raise ImportError(f"measure(optimizer='hybrid8bit'): HybridAdamW8bit is not available ({e}).") from e
+    if opt is None:
+        try:
+            opt = torch.optim.AdamW([p], lr=1e-5, fused=True)
+        except (RuntimeError, TypeError):
+            opt = torch.optim.AdamW([p], lr=1e-5, foreach=True)
+            used = "torch.optim.AdamW(foreach=True), fp32 moments"
+    opt.step()  # first step allocates state (and compiles kernels); not timed
+    return num_params / _median_time(opt.step, repeats), used
+
+
+def _measure_matmul(device: str, n: int, repeats: int) -> float:
+    import torch
+
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    a = torch.randn(n, n, dtype=dtype, device=device)
+    b = torch.randn(n, n, dtype=dtype, device=device)
+
+    def mm() -> None:
+        a @ b
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+
+    mm()
+    return 2 * n**3 / _median_time(mm, repeats) / 1e12
+
+
+def measure(
+    cache_path: str | None = None,
+    device: str | None = None,
+    *,
+    nvme_dir: str | None = None,
+    copy_bytes: int = 128 * 2**20,
+    nvme_bytes: int = 64 * 2**20,
+    optimizer_params: int = 4_000_000,
+    optimizer: str = "auto",
+    matmul_size: int | None = None,
+    repeats: int = 3,
+    config: Any = None,
+    micro_batch_size: int = 1,
+    seq_len: int = 128,
+    use_cache: bool = True,
+) -> HardwareProfile:
+    """Measure this machine and return a `HardwareProfile` (a few seconds on CPU).
+
+    Measures pinned copy bandwidth both ways (host memcpy on CPU), NVMe read/write through a temp file in
+    ``nvme_dir`` (fsync, page cache dropped before the read), the CPU optimizer rate (``HybridAdamW8bit`` when the
+    package provides it, else torch fused AdamW; named in ``source``), the matmul rate (taken as ``peak_tflops`` with
+    ``achievable_fraction`` 1, since it is already what kernels reach) and, when ``config`` is given, per-kind
+    forward/backward times of one decoder layer at ``micro_batch_size`` x ``seq_len``.
+
+    Args:
+        cache_path: JSON path. When it exists and ``use_cache`` is true it is loaded instead of measuring; otherwise
+            the new profile is written there.
+        device: ``"cpu"`` or a CUDA device (default: ``"cuda"`` when available, else ``"cpu"``).
+        config: an HF config (or zoo config) whose decoder layers are timed, one per layer kind.
+    """
+    if cache_path and use_cache and os.path.isfile(cache_path):
+        return HardwareProfile.from_json(cache_path)
+    import psutil  # shipped with accelerate
+    import torch
+
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = str(device)
+    if device != "cpu" and not torch.cuda.is_available():
+        raise ValueError(f"measure(device={device!r}): CUDA is not available here; pass device='cpu'.")
+    if repeats < 1:
+        raise ValueError(f"measure(repeats={repeats}) must be >= 1.")
+
+    h2d, d2h = _measure_copy(device, copy_bytes, repeats)
+    nvme_r, nvme_w, nvme_free = _measure_nvme(nvme_dir, nvme_bytes)
+    opt_rate, opt_used = _measure_optimizer(optimizer_params, repeats, optimizer)
+    tflops = _measure_matmul(device, matmul_size or (1024 if device == "cpu" else 8192), repeats)
+    host = int(psutil.virtual_memory().total)
+    if device == "cpu":
+        dev_mem = host
+        name = "measured-cpu"
+    else:
+        dev_mem = int(torch.cuda.get_device_properties(device).total_memory)
+        name = "measured-" + torch.cuda.get_device_name(device).lower().replace(" ", "-")
+    profile = HardwareProfile(
+        name=name,
+        device_memory_bytes=dev_mem,
+        peak_tflops=tflops,
+        achievable_fraction=1.0,
+        h2d_gbps=h2d,
+        d2h_gbps=d2h,
+        nvme_read_gbps=nvme_r,
+        nvme_write_gbps=nvme_w,
+        nvme_capacity_bytes=nvme_free,
+        host_memory_bytes=host,
+        cpu_optimizer_params_per_s=opt_rate,
+        device_type="cpu" if device == "cpu" else "cuda",
+        source=f"measured by lazytrain_hf.planner.hardware.measure() on {device} at {time.strftime('%Y-%m-%d')}; "
+        f"optimizer: {opt_used}",
+    )
+    if config is not None:
+        profile.layer_times = measure_layer_times(config, device, micro_batch_size, seq_len, repeats)
+        profile.layer_times_shape = [micro_batch_size, seq_len]
+    if cache_path:
+        profile.to_json(cache_path)
+    return profile
+
+
+def measure_layer_times(
+    config: Any, device: str, micro_batch_size: int, seq_len: int, repeats: int = 3
+) -> dict[str, list[float]]:
+    """Forward and backward seconds of one decoder layer per layer kind of ``config`` (timed, median)."""
+    import torch
+
+    from ..models import layer_kinds
+    from .zoo import as_hf_config
+
+    hf_config = as_hf_config(config)
+    kinds = layer_kinds(hf_config)
+    first_of_kind: dict[str, int] = {}
+    for i, k in enumerate(kinds):
+        first_of_kind.setdefault(k, i)
+    from transformers import AutoModelForCausalLM
+
+    # Build only as many layers as needed to reach one of every kind, so large configs stay cheap to time.
+    n_build = max(first_of_kind.values()) + 1
+    small = hf_config.__class__(**{**hf_config.to_dict(), "num_hidden_layers": n_build, "use_cache": False})
+    if getattr(small, "layer_types", None) is not None:
+        small.layer_types = list(hf_config.layer_types[:n_build])
+    dtype = torch.bfloat16 if device != "cpu" else torch.float32
+    model = AutoModelForCausalLM.from_config(small).to(device=device, dtype=dtype)
+    model.train()
+    inner = model.model
+    ids = torch.randint(0, small.vocab_size, (micro_batch_size, seq_len), device=device)
+    with torch.no_grad():
+        x0 = inner.embed_tokens(ids)
+    pos = torch.arange(seq_len, device=device).unsqueeze(0).expand(micro_batch_size, -1)
+    pos_emb = inner.rotary_emb(x0, pos)
+
+    def sync() -> None:
+        if device != "cpu":
+            torch.cuda.synchronize(device)
+
+    out: dict[str, list[float]] = {}
+    for kind, idx in first_of_kind.items():
+        layer = inner.layers[idx]
+
+        def fwd(layer=layer):
+            x = x0.detach().requires_grad_(True)
+            y = layer(x, attention_mask=None, position_embeddings=pos_emb, position_ids=pos)
+            y = y[0] if isinstance(y, tuple) else y
+            sync()
+            return x, y
+
+        fwd()
+        t_f = _median_time(fwd, repeats)
+        times_b = []
+        for _ in range(repeats):
+            _, y = fwd()
+            g = torch.ones_like(y)
+            t0 = time.perf_counter()
+            y.backward(g)
+            sync()
+            times_b.append(time.perf_counter() - t0)
+        times_b.sort()
+        out[kind] = [t_f, times_b[len(times_b) // 2]]
+    return out

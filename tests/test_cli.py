@@ -1,0 +1,149 @@
+"""`lazytrain plan` / `lazytrain simulate`: JSON keys, measured profile paths, timeline, errors, fast start."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from lazytrain_hf.cli import main
+from lazytrain_hf.planner.hardware import measure
+from lazytrain_hf.planner.plan import PREDICTION_KEYS
+
+ROOT = __import__("pathlib").Path(__file__).resolve().parents[1]
+
+
+def run(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_plan_json_keys(capsys, tmp_path):
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "qwen2.5-3b",
+        "--hardware",
+        "rtx3090",
+        "--seq-len",
+        "1024",
+        "--json",
+        "--max-batch-size",
+        "64",
+        "--timeline",
+        str(tmp_path / "t.png"),
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert set(data) == {"plan", "predicted", "baselines", "max_batch_size", "solver"}
+    assert set(data["predicted"]) == set(PREDICTION_KEYS)
+    assert set(data["baselines"]) == {"megatrain", "all_recompute", "keep_all", "cpu_offload_inputs"}
+    for v in data["baselines"].values():
+        assert v is None or set(v) == set(PREDICTION_KEYS)
+    assert set(data["max_batch_size"]) == {"milp", "megatrain", "all_recompute", "keep_all", "cpu_offload_inputs"}
+    assert data["max_batch_size"]["milp"] >= max(data["max_batch_size"].values())
+    assert set(data["solver"]) == {"status", "seconds", "gap"}
+    assert len(data["plan"]["layers"]) == 36
+    assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_plan_with_measured_profile_and_simulate(capsys, tmp_path):
+    hw = tmp_path / "hw.json"
+    measure(cache_path=str(hw), device="cpu", nvme_dir=str(tmp_path))
+    saved = tmp_path / "plan.json"
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        "qwen2.5-3b",
+        "--hardware",
+        str(hw),
+        "--seq-len",
+        "256",
+        "--batch-size",
+        "2",
+        "--gpu-budget",
+        "12GiB",
+        "--max-batch-size",
+        "8",
+        "--save",
+        str(saved),
+    )
+    assert code == 0 and "milp" in out and "megatrain" in out
+    code, out, _ = run(
+        capsys,
+        "simulate",
+        "--plan",
+        str(saved),
+        "--model",
+        "qwen2.5-3b",
+        "--hardware",
+        str(hw),
+        "--seq-len",
+        "256",
+        "--json",
+    )
+    assert code == 0
+    data = json.loads(out)
+    assert (
+        abs(data["simulated"]["step_time_s"] - data["stage_model"]["step_time_s"])
+        <= 0.05 * data["simulated"]["step_time_s"]
+    )
+
+
+def test_hf_config_path(capsys, tmp_path):
+    from lazytrain_hf.planner.zoo import as_hf_config, get_config
+
+    cfg = as_hf_config(get_config("qwen3-8b"))
+    cfg.save_pretrained(str(tmp_path))
+    code, out, _ = run(
+        capsys,
+        "plan",
+        "--model",
+        str(tmp_path),
+        "--hardware",
+        "h800",
+        "--seq-len",
+        "512",
+        "--json",
+        "--max-batch-size",
+        "8",
+    )
+    assert code == 0 and len(json.loads(out)["plan"]["layers"]) == 36
+
+
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--model", "llama-7b", "--hardware", "h800", "--seq-len", "1024"], "not in the model zoo"),
+        (["--model", "qwen3-8b", "--hardware", "tpu", "--seq-len", "1024"], "not a bundled profile"),
+        (["--model", "qwen3-8b", "--hardware", "h800", "--seq-len", "0"], "--seq-len=0"),
+        (
+            ["--model", "qwen3-8b", "--hardware", "rtx3090", "--seq-len", "1024", "--gpu-budget", "1GiB"],
+            "min_gpu_budget=",
+        ),
+    ],
+)
+def test_errors(capsys, argv, match):
+    code, _, err = run(capsys, "plan", *argv)
+    assert code in (2, 3) and match in err
+
+
+def test_bad_budget_is_an_argument_error(capsys):
+    with pytest.raises(SystemExit):
+        main(["plan", "--model", "qwen3-8b", "--hardware", "h800", "--seq-len", "8", "--gpu-budget", "lots"])
+    assert "--gpu-budget='lots'" in capsys.readouterr().err
+
+
+def test_plan_does_not_import_trainer():
+    code = (
+        "import sys; from lazytrain_hf.cli import main; "
+        "main(['plan','--model','qwen2.5-3b','--hardware','h800','--seq-len','256','--max-batch-size','4']); "
+        "print('TRAINER' if 'transformers.trainer' in sys.modules else 'CLEAN')"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.strip().endswith("CLEAN"), out.stderr[-2000:]
