@@ -49,16 +49,20 @@ class ModelSpec:
     # expert weights are fused 3-D parameters (`experts.gate_up_proj`), not a ModuleList
     fused_experts: bool = True
     has_linear_attention: bool = False
+    # MoE blocks with a shared expert (+ sigmoid gate) beside the routed ones
+    has_shared_expert: bool = False
 
 
 MODEL_TABLE: dict[str, ModelSpec] = {
     "qwen2": ModelSpec("qwen2", _never_moe),
-    "qwen2_moe": ModelSpec("qwen2_moe", _sparse_by_step),
+    "qwen2_moe": ModelSpec("qwen2_moe", _sparse_by_step, has_shared_expert=True),
     "qwen3": ModelSpec("qwen3", _never_moe),
     "qwen3_moe": ModelSpec("qwen3_moe", _sparse_by_step),
-    "qwen3_next": ModelSpec("qwen3_next", _sparse_by_step, has_linear_attention=True),
+    "qwen3_next": ModelSpec("qwen3_next", _sparse_by_step, has_linear_attention=True, has_shared_expert=True),
     "qwen3_5_text": ModelSpec("qwen3_5_text", _never_moe, has_linear_attention=True),
-    "qwen3_5_moe_text": ModelSpec("qwen3_5_moe_text", _always_moe, has_linear_attention=True),
+    "qwen3_5_moe_text": ModelSpec(
+        "qwen3_5_moe_text", _always_moe, has_linear_attention=True, has_shared_expert=True
+    ),
 }
 
 

@@ -60,3 +60,11 @@ def test_unsupported_layer_type_is_named():
     cfg.layer_types = ["full_attention", "chunked_attention", "full_attention", "full_attention"]
     with pytest.raises(ValueError, match="chunked_attention"):
         models.layer_kinds(cfg)
+
+
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"])
+def test_shared_expert_flag_matches_modules(model_type):
+    model = tiny_model(model_type)
+    moe = [layer.mlp for layer in models.decoder_layers(model) if "experts" in dict(layer.mlp.named_children())]
+    assert moe
+    assert all(("shared_expert" in dict(m.named_children())) == models.get_spec(model).has_shared_expert for m in moe)

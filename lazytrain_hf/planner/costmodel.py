@@ -71,6 +71,13 @@ def _num_experts(config: Any) -> int:
 
 
 def _shared_expert_size(config: Any) -> int:
+    """Intermediate size of the shared expert, 0 for families whose MoE block has none (e.g. qwen3_moe: a config
+    may still carry the attribute)."""
+    from ..models import MODEL_TABLE
+
+    spec = MODEL_TABLE.get(_get(config, "model_type", None))
+    if spec is not None and not spec.has_shared_expert:
+        return 0
     return int(_get(config, "shared_expert_intermediate_size", 0))
 
 
