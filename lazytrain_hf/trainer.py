@@ -103,9 +103,17 @@ class LazyTrainer(Trainer):
                 self.lazy_plan = plan
         if plan is None:
             plan = self.make_plan()
+        self.check_host_memory(plan)  # before the host store allocates anything
         self.stream_handle = attach(
             self.model, plan=plan, device=self.args.device, nvme_dir=self.args.activation_nvme_dir
         )
+        if "nvme" in plan.tiers_used():
+            try:
+                self.stream_handle.activations.check_nvme_capacity(int(plan.predicted.get("nvme_bytes", 0)))
+            except BaseException:
+                handle, self.stream_handle = self.stream_handle, None
+                handle.remove()
+                raise
         if self.args.world_size > 1:
             self.stream_handle.grad_reducer = self._all_reduce_layer
         # Note: [The executor owns placement] Accelerate must neither move the model to the device nor wrap it in
@@ -122,6 +130,36 @@ class LazyTrainer(Trainer):
                 self._updater = None
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
+
+    def check_host_memory(self, plan) -> None:
+        """Refuse, before anything is allocated, a run whose host store, optimizer state and pinned activation
+        buffers would not fit in the host memory available now, with the numbers and what would fit."""
+        params = list(self.model.parameters())
+        n_train = sum(p.numel() for p in params if p.requires_grad)
+        n_all = sum(p.numel() for p in params)
+        dtype = params[0].dtype if params else torch.float32
+        master = 0 if dtype == torch.float32 else 4 * n_train  # fp32 compute copies are the master (aliased)
+        grads = 4 * n_train
+        optim = 2 * n_train if self.args.optim_hybrid_8bit else 8 * n_train
+        pinned = int(plan.predicted.get("pinned_host_bytes", 0) or 0)
+        fixed = master + grads + optim
+        available = _available_host_bytes()
+        if available is None or fixed + pinned <= available:
+            return
+        per_seq = pinned / max(1, plan.micro_batch_size)
+        fits = int((available - fixed) // per_seq) if per_seq and available > fixed else 0
+        hint = (
+            f"per_device_train_batch_size <= {fits} fits" if fits >= 1 else
+            f"even batch 1 does not fit: the model itself needs {format_bytes(fixed)} ({n_all} parameters); "
+            "train LoRA adapters (frozen weights need no gradients or optimizer state) or use a larger machine"
+        )
+        raise ValueError(
+            f"host memory: this run needs {fixed + pinned} bytes ({format_bytes(fixed + pinned)}): fp32 master "
+            f"{format_bytes(master)}, gradients {format_bytes(grads)}, optimizer state {format_bytes(optim)}, pinned "
+            f"activations {format_bytes(pinned)} at micro-batch {plan.micro_batch_size}; only {available} bytes "
+            f"({format_bytes(available)}) are available. {hint}; or set planner_host_budget / allow the nvme tier "
+            "(activation_tiers) so activations leave host memory."
+        )
 
     def _resolve_checkpoint(self, resume_from_checkpoint: str | bool | None) -> str | None:
         from transformers.trainer_utils import get_last_checkpoint
@@ -312,8 +350,7 @@ class LazyTrainer(Trainer):
             else hardware.get_profile(a.planner_hardware)
         )
         dtype_bytes = 4 if next(base.parameters()).dtype == torch.float32 else 2
-        attn = getattr(config, "_attn_implementation", None) or "sdpa"
-        attn = attn if attn in costmodel.ATTN_IMPLEMENTATIONS else "sdpa"
+        attn = attention_cost_class(config)
         common = dict(loss_chunk_tokens=a.stream_loss_chunk_tokens, attn_implementation=attn)
         measured = None
         if a.planner_warmup_steps > 0:
@@ -839,6 +876,39 @@ def _remove_stale_staging(run_dir: str) -> None:
             if pid.isdigit() and int(pid) != os.getpid() and _pid_alive(int(pid)):
                 continue
             shutil.rmtree(os.path.join(run_dir, name), ignore_errors=True)
+
+
+# Attention implementations by what their backward saves: "eager" keeps the T x T probabilities, the fused kernels
+# (sdpa, flash, flex) keep O(T) statistics like sdpa.
+ATTENTION_COST_CLASS = {
+    "eager": "eager",
+    "sdpa": "sdpa",
+    "flash_attention_2": "sdpa",
+    "flash_attention_3": "sdpa",
+    "flex_attention": "sdpa",
+}
+
+
+def attention_cost_class(config: Any) -> str:
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if impl not in ATTENTION_COST_CLASS:
+        raise ValueError(
+            f"attn_implementation={impl!r} is not supported by the LazyTrain planner; use one of "
+            f"{', '.join(ATTENTION_COST_CLASS)} (e.g. from_pretrained(..., attn_implementation='sdpa'))."
+        )
+    return ATTENTION_COST_CLASS[impl]
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (not checked)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
 
 
 def _existing_parent(path: str) -> str:

@@ -31,7 +31,7 @@ def _run(args: list[str], env_extra: dict | None = None) -> subprocess.Completed
                           capture_output=True, text=True, env=env, timeout=300)
 
 
-@pytest.mark.parametrize("stream", ["false"])
+@pytest.mark.parametrize("stream", ["false", "true"])
 def test_sigkill_during_save_keeps_previous_checkpoint(tmp_path, stream):
     out = tmp_path / "run"
     proc = _run(["--out", str(out), "--kill-at-step", "2", "--max-steps", "3", "--stream", stream])

@@ -119,6 +119,8 @@ class Evaluation:
             "tokens_per_s": self.tokens_per_s,
             "peak_gpu_bytes": self.peak_gpu_bytes,
             "peak_host_bytes": self.peak_host_bytes,
+            "pinned_host_bytes": self.pinned_host_bytes,
+            "nvme_bytes": self.nvme_bytes,
         }
 
 
