@@ -137,3 +137,19 @@ def test_unsupported_model_type_refused_at_construction(tmp_path):
     # with streaming off it is plain Trainer and accepts any model
     LazyTrainer(model=tiny_model("qwen3"), args=LazyTrainingArguments(output_dir=str(tmp_path), report_to=[],
                                                                      use_cpu=True, stream_enabled=False))
+
+
+def test_nvme_dir_not_writable_is_named(tmp_path, monkeypatch):
+    """Simulated: tests run as root, which writes through permission bits, so `os.access` is made to say no."""
+    import lazytrain_hf.activations as act
+
+    nvme = tmp_path / "ro"
+    nvme.mkdir()
+    monkeypatch.setattr(act.os, "access", lambda path, mode: not str(path).startswith(str(nvme)))
+    tr = make_trainer(tmp_path / "run", max_steps=1, activation_nvme_dir=str(nvme), **NVME_KW)
+    before = _weights(tr.model)
+    with pytest.raises(ValueError, match="not writable") as e:
+        tr.train()
+    assert str(nvme) in str(e.value)
+    assert tr.stream_handle is None and not tr.model.model.layers[0]._forward_pre_hooks
+    assert all(torch.equal(before[k], v) for k, v in _weights(tr.model).items())
