@@ -86,7 +86,7 @@ class LazyTrainingArguments(TrainingArguments):
         },
     )
     planner_gpu_budget: int | str | None = field(
-        default=None, metadata={"help": "Device memory the plan may use, e.g. '70GiB' (default: profile - 10%)."}
+        default=None, metadata={"help": "Device memory the plan may use, e.g. '70GiB' (default: the profile's memory minus a 10 percent reserve)."}
     )
     planner_host_budget: int | str | None = field(
         default=None, metadata={"help": "Pinned host memory for offloaded activations, e.g. '64GiB'."}
@@ -149,9 +149,9 @@ class LazyTrainingArguments(TrainingArguments):
         if self.planner_warmup_steps < 0:
             raise ValueError(f"planner_warmup_steps={self.planner_warmup_steps} must be >= 0.")
 
-        if isinstance(self.activation_tiers, str):
-            self.activation_tiers = [t.strip() for t in self.activation_tiers.split(",") if t.strip()]
-        self.activation_tiers = list(self.activation_tiers)
+        # "gpu,cpu", ["gpu,cpu"] and ["gpu", "cpu"] all mean the same (the command line gives the middle form)
+        tiers = [self.activation_tiers] if isinstance(self.activation_tiers, str) else list(self.activation_tiers)
+        self.activation_tiers = [t.strip() for item in tiers for t in str(item).split(",") if t.strip()]
         bad = [t for t in self.activation_tiers if t not in INPUT_TIERS]
         if bad:
             raise ValueError(

@@ -84,6 +84,22 @@ def test_upgrade_keeps_every_field():
     assert up.stream_enabled is True
 
 
+def test_tiers_comma_list_on_the_command_line():
+    from transformers import HfArgumentParser
+
+    (a,) = HfArgumentParser(LazyTrainingArguments).parse_args_into_dataclasses(
+        ["--output_dir", "o", "--activation_tiers", "gpu,cpu", "--report_to", "none"]
+    )
+    assert a.activation_tiers == ["gpu", "cpu"]
+
+
+def test_every_help_string_formats():
+    """argparse %-formats help strings: a stray '%' breaks `--help`."""
+    from transformers import HfArgumentParser
+
+    HfArgumentParser(LazyTrainingArguments).format_help()
+
+
 def test_hf_argument_parser_round_trip():
     from transformers import HfArgumentParser
 

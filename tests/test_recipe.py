@@ -1,0 +1,259 @@
+"""recipes/qwen_metamath.py and accelerate_configs/: parsing, --help, configs, a short end-to-end run, errors."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+ROOT = Path(__file__).resolve().parents[1]
+RECIPE = ROOT / "recipes" / "qwen_metamath.py"
+CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
+
+
+def _load_recipe():
+    spec = importlib.util.spec_from_file_location("qwen_metamath_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def recipe():
+    return _load_recipe()
+
+
+@pytest.fixture(scope="module", autouse=True)
+def evaluate_cache(tmp_path_factory):
+    """evaluate copies the metric module under HF_HOME (paths read at import): use a temp dir for this run."""
+    import evaluate.config as cfg
+
+    home = tmp_path_factory.getbasetemp() / "hf_home"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HOME", str(home))
+    for name, sub in (
+        ("HF_MODULES_CACHE", "modules"),
+        ("HF_METRICS_CACHE", "metrics"),
+        ("HF_EVALUATE_CACHE", "evaluate"),
+    ):
+        mp.setattr(cfg, name, home / sub)
+    yield home
+    mp.undo()
+
+
+# ------------------------------------------------------------------------------------------------ configs
+
+
+EXPECTED = {
+    "cpu.yaml": {"distributed_type": "NO", "use_cpu": True, "num_processes": 1},
+    "single_gpu.yaml": {"distributed_type": "NO", "use_cpu": False, "num_processes": 1, "gpu_ids": "0"},
+    "multi_gpu.yaml": {"distributed_type": "MULTI_GPU", "use_cpu": False},
+}
+REQUIRED_KEYS = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "num_processes",
+                 "machine_rank", "use_cpu", "main_training_function"}  # fmt: skip
+
+
+def test_every_config_is_valid_for_accelerate():
+    from accelerate.commands.config.config_args import load_config_from_file
+
+    assert {c.name for c in CONFIGS} == set(EXPECTED)
+    for path in CONFIGS:
+        raw = yaml.safe_load(path.read_text())
+        assert REQUIRED_KEYS <= set(raw), f"{path.name} lacks {REQUIRED_KEYS - set(raw)}"
+        for key, value in EXPECTED[path.name].items():
+            assert raw[key] == value, (path.name, key, raw[key])
+        loaded = load_config_from_file(str(path))  # accelerate's own parser and enum checks
+        assert loaded.distributed_type.value == raw["distributed_type"]
+        assert loaded.compute_environment.value == "LOCAL_MACHINE"
+        assert loaded.num_machines == 1
+        if path.name == "multi_gpu.yaml":
+            assert loaded.num_processes > 1
+        # the header comment gives the exact launch command
+        header = path.read_text().split("\ncompute_environment", 1)[0]
+        assert f"accelerate launch --config_file accelerate_configs/{path.name}" in header
+        assert "recipes/qwen_metamath.py" in header
+
+
+def test_documented_commands_use_existing_configs_and_parse(recipe):
+    doc = recipe.__doc__.replace("\\\n", " ")
+    commands = [line.strip() for line in doc.splitlines() if "recipes/qwen_metamath.py" in line]
+    assert len(commands) >= 4
+    for cmd in commands:
+        words = shlex.split(cmd)
+        if "--config_file" in words:
+            assert (ROOT / words[words.index("--config_file") + 1]).is_file(), cmd
+        args = words[words.index("recipes/qwen_metamath.py") + 1 :]
+        script_args, training_args = recipe.make_parser().parse_args_into_dataclasses(args=args)
+        assert script_args.trust_remote_code is False
+    assert "--model_name_or_path Qwen/Qwen2.5-3B" in doc and "--dataset_name meta-math/MetaMathQA" in doc
+
+
+# ------------------------------------------------------------------------------------------------ parsing
+
+
+def test_defaults_are_embedded_and_cpu_friendly(recipe):
+    import torch
+
+    script_args, training_args = recipe.make_parser().parse_args_into_dataclasses(args=[])
+    assert script_args.model_name_or_path == "embedded" and script_args.dataset_name == "embedded"
+    assert script_args.trust_remote_code is False
+    assert training_args.output_dir == "runs/qwen_metamath"
+    assert training_args.report_to in ([], ["none"], "none")
+    assert training_args.use_cpu is (not torch.cuda.is_available())
+    assert training_args.stream_enabled is True and training_args.optim_hybrid_8bit is True
+    assert training_args.push_to_hub is False
+
+
+def test_sample_command_line(recipe, tmp_path):
+    argv = shlex.split(
+        f"--model_name_or_path Qwen/Qwen2.5-3B --dataset_name data/mm.jsonl --max_seq_length 1024 "
+        f"--num_train_samples 5000 --num_eval_samples 50 --eval_max_new_tokens 300 --trust_remote_code "
+        f"--output_dir {tmp_path} --max_steps 7 --learning_rate 1e-5 --planner_gpu_budget 70GiB "
+        f"--planner_policy megatrain --activation_tiers gpu cpu --stream_enabled False"
+    )
+    script_args, training_args = recipe.make_parser().parse_args_into_dataclasses(args=argv)
+    assert script_args.model_name_or_path == "Qwen/Qwen2.5-3B" and script_args.dataset_name == "data/mm.jsonl"
+    assert (script_args.max_seq_length, script_args.num_train_samples, script_args.num_eval_samples) == (
+        1024,
+        5000,
+        50,
+    )
+    assert script_args.eval_max_new_tokens == 300 and script_args.trust_remote_code is True
+    assert training_args.output_dir == str(tmp_path) and training_args.max_steps == 7
+    assert training_args.learning_rate == 1e-5 and training_args.planner_gpu_budget == 70 * 2**30
+    assert training_args.planner_policy == "megatrain" and training_args.activation_tiers == ["gpu", "cpu"]
+    assert training_args.stream_enabled is False and training_args.optim_hybrid_8bit is False
+
+
+@pytest.mark.parametrize(
+    ("flag", "value", "pattern"),
+    [
+        ("--max_seq_length", "1", r"--max_seq_length=1 must be >= 2"),
+        ("--num_eval_samples", "0", r"--num_eval_samples=0 must be >= 1"),
+        ("--eval_max_new_tokens", "0", r"--eval_max_new_tokens=0 must be >= 1"),
+        ("--dtype", "int8", r"--dtype='int8' is not supported"),
+    ],
+)
+def test_bad_script_arguments(recipe, flag, value, pattern):
+    with pytest.raises(ValueError, match=pattern):
+        recipe.make_parser().parse_args_into_dataclasses(args=[flag, value])
+
+
+def test_help_runs_as_a_script(tmp_path):
+    env = dict(os.environ, HF_HOME=str(tmp_path / "hf_home"), PYTHONPATH="")
+    out = subprocess.run(
+        [sys.executable, str(RECIPE), "--help"], capture_output=True, text=True, timeout=180, env=env, cwd=tmp_path
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    for flag in ("--model_name_or_path", "--dataset_name", "--max_seq_length", "--num_train_samples",
+                 "--num_eval_samples", "--eval_max_new_tokens", "--trust_remote_code", "--stream_enabled",
+                 "--planner_gpu_budget", "--push_to_hub"):  # fmt: skip
+        assert flag in out.stdout, flag
+
+
+# ------------------------------------------------------------------------------------------------ end to end
+
+
+def _short_run_args(tmp_path, *extra: str) -> list[str]:
+    return [
+        "--output_dir", str(tmp_path / "run"), "--max_steps", "3", "--num_train_samples", "48",
+        "--num_eval_samples", "4", "--per_device_train_batch_size", "8", "--per_device_eval_batch_size", "4",
+        "--eval_max_new_tokens", "10", "--logging_steps", "1", "--warmup_steps", "0", "--planner_warmup_steps", "1",
+        "--planner_time_limit", "5", "--planner_hardware", "cpu", *extra,
+    ]  # fmt: skip
+
+
+def _check_run(recipe, tmp_path, capsys, *extra):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from lazytrain_hf.metrics import generate_responses
+
+    metrics = recipe.main(_short_run_args(tmp_path, *extra))
+    out = capsys.readouterr().out
+    for key in ("exact_match_before", "exact_match_after"):
+        assert 0.0 <= metrics[key] <= 1.0
+    assert metrics["global_step"] == 3 and metrics["num_eval_samples"] == 4 and metrics["num_train_samples"] == 48
+    assert re.search(r"exact match before training: \d+\.\d\d% on 4 eval problems", out), out
+    summary = [line for line in out.splitlines() if line.startswith("[qwen_metamath] model=")]
+    assert len(summary) == 1, out
+    assert re.search(r"exact_match before=\d+\.\d\d% after=\d+\.\d\d% \(n=4\)", summary[0]), summary[0]
+
+    run = tmp_path / "run"
+    saved = json.loads((run / "eval_results.json").read_text())
+    assert saved["exact_match_before"] == metrics["exact_match_before"]
+    assert saved["exact_match_after"] == metrics["exact_match_after"]
+    # the saved model and tokenizer reload and reproduce the post-training predictions exactly (greedy)
+    model = AutoModelForCausalLM.from_pretrained(run)
+    tok = AutoTokenizer.from_pretrained(run)
+    records = json.loads((run / "eval_predictions.json").read_text())
+    assert len(records) == 4
+    again = generate_responses(model, tok, [r["query"] for r in records], max_new_tokens=10, batch_size=4)
+    assert again == [r["prediction"] for r in records]
+    return metrics
+
+
+def test_end_to_end_short_run(recipe, tmp_path, capsys):
+    _check_run(recipe, tmp_path, capsys, "--stream_enabled", "False")
+
+
+def test_end_to_end_short_run_streaming(recipe, tmp_path, capsys):
+    _check_run(recipe, tmp_path, capsys)  # the recipe's defaults: streaming on, Hybrid 8-bit optimizer
+
+
+def test_hub_names_offline_say_how_to_pass_a_local_path(recipe, tmp_path):
+    from lazytrain_hf.data import HubUnavailableError
+
+    assert os.environ.get("HF_HUB_OFFLINE") == "1"  # conftest: a real Hub request fails fast here
+    with pytest.raises(HubUnavailableError, match=r"dataset_name='meta-math/MetaMathQA'.*local-dir"):
+        recipe.main(_short_run_args(tmp_path, "--dataset_name", "meta-math/MetaMathQA"))
+    with pytest.raises(HubUnavailableError, match=r"--model_name_or_path='Qwen/Qwen2.5-3B'.*--model_name_or_path=DIR"):
+        recipe.main(_short_run_args(tmp_path, "--model_name_or_path", "Qwen/Qwen2.5-3B"))
+
+
+class _RecordingHubApi:
+    """Stands in for the Hub client at the network boundary (the Hub is unreachable here); records each call."""
+
+    def __init__(self):
+        self.uploads: list[dict] = []
+        self.repos: list[str] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        self.repos.append(repo_id)
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def upload_folder(self, folder_path, **kwargs):
+        self.uploads.append(dict(kwargs, files=sorted(os.listdir(folder_path))))
+
+
+def test_push_to_hub_is_honoured(recipe, tmp_path, monkeypatch, capsys):
+    import transformers.trainer
+
+    api = _RecordingHubApi()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: api)
+    recipe.main(_short_run_args(tmp_path, "--push_to_hub", "--hub_model_id", "me/tiny", "--stream_enabled", "False"))
+    assert api.repos == ["me/tiny"]
+    assert len(api.uploads) == 1, api.uploads  # one commit: model, tokenizer, evaluation record, model card
+    upload = api.uploads[0]
+    assert upload["repo_id"] == "me/tiny"
+    assert re.match(r"exact match \d+\.\d\d% -> \d+\.\d\d%", upload["commit_message"])
+    for name in ("model.safetensors", "config.json", "tokenizer.json", "eval_results.json", "README.md"):
+        assert name in upload["files"], upload["files"]
+    assert "embedded" in (tmp_path / "run" / "README.md").read_text()
+
+
+def test_dataset_rows_missing_fields_are_named(recipe, tmp_path):
+    path = tmp_path / "rows.jsonl"
+    rows = [{"query": f"What is {i} + 1?", "response": f"The answer is: {i + 1}"} for i in range(8)]
+    rows[5] = {"query": "What is 5 + 1?", "answer": "6"}
+    path.write_text("\n".join(json.dumps(r) for r in rows))
+    with pytest.raises(ValueError, match=r"row 5 lacks field 'response' \(has: query, answer\)"):
+        recipe.main(_short_run_args(tmp_path, "--dataset_name", str(path)))
