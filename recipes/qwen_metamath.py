@@ -260,6 +260,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "eval_max_new_tokens": max_new_tokens,
         "eval_seconds_before": eval_s_before,
         "eval_seconds_after": eval_s_after,
+        "train_losses": [h["loss"] for h in trainer.state.log_history if "loss" in h],
     }
     trainer.log({"eval_exact_match_before": em_before, "eval_exact_match": em_after})
 
