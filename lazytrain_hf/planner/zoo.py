@@ -34,6 +34,16 @@ def _hybrid_layer_types(n: int, interval: int = 4) -> list[str]:
 
 # Sources: the models' config.json on the Hugging Face Hub (Qwen/<name>); numbers copied, not derived.
 _ZOO: dict[str, dict[str, Any]] = {
+    "qwen2.5-1.5b": dict(
+        model_type="qwen2",
+        hidden_size=1536,
+        intermediate_size=8960,
+        num_hidden_layers=28,
+        num_attention_heads=12,
+        num_key_value_heads=2,
+        vocab_size=151936,
+        tie_word_embeddings=True,
+    ),
     "qwen2.5-3b": dict(
         model_type="qwen2",
         hidden_size=2048,

@@ -1,0 +1,113 @@
+"""`benchmarks/gpu_check.py --dry-run`: every section runs on the CPU with tiny configs, writes its JSON, Markdown and
+measured hardware profile, and the profile plans with `lazytrain plan --hardware path.json`."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from lazytrain_hf.planner import hardware
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "benchmarks", "gpu_check.py")
+# The dry run's own wall-clock budget is 50 s (it skips runs to stay inside it); imports and the final write come
+# on top, so the process gets a little more before it counts as too slow.
+LIMIT_S = 90
+
+
+@pytest.fixture(scope="module")
+def dry_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu_check")
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    t0 = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--out", str(out)],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=2 * LIMIT_S,
+    )
+    wall = time.perf_counter() - t0
+    return proc, out, wall
+
+
+def test_dry_run_finishes_ok_within_limit(dry_run):
+    proc, _, wall = dry_run
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert wall < LIMIT_S, f"dry run took {wall:.1f} s"
+    # the short table comes last
+    tail = proc.stdout.strip().splitlines()
+    summary = tail.index("== summary")
+    assert any(line.startswith("model ") and "TFLOPS" in line for line in tail[summary:])
+    assert "elapsed" in proc.stdout
+
+
+def test_json_sections_and_runs(dry_run):
+    _, out, _ = dry_run
+    report = json.loads((out / "gpu_check.json").read_text())
+    assert report["dry_run"] is True and report["device"] == "cpu"
+    secs = report["sections"]
+    for name in ("environment", "parity", "profile", "model:tiny-qwen3", "model:tiny-qwen3_moe", "prediction"):
+        assert name in secs, sorted(secs)
+        assert secs[name]["status"] == "ok", secs[name].get("traceback")
+        assert secs[name]["seconds"] >= 0
+    parity = secs["parity"]["result"]
+    assert parity["ok"] and "tolerance" in parity
+    for mt in ("qwen3", "qwen3_moe"):
+        vecs = parity["models"][mt]["vectors"]
+        assert set(vecs) == {"all_keep", "all_offload_cpu", "all_recompute", "mixed_nvme"}
+        for row in vecs.values():
+            # on the CPU the plain model is deterministic, so the streamed HF-loss path must be bit-exact
+            assert row["hf_loss"]["bit_exact_vs_plain_bf16"], row
+            assert row["chunked_loss"]["rel_l2_vs_plain_bf16"] <= 5e-2
+    ok_runs = [r for m in ("model:tiny-qwen3", "model:tiny-qwen3_moe") for r in secs[m]["result"]["runs"]]
+    assert {r["plan"] for r in ok_runs} <= {"milp", "megatrain", "keep_all"}
+    done = [r for r in ok_runs if r["status"] == "ok"]
+    assert done, "no run finished inside the time budget"
+    for r in done:
+        for key in ("batch", "step_time_s", "tokens", "tflops", "peak_device_bytes", "predicted_step_s",
+                    "simulated_step_s", "milp_err_pct", "sim_err_pct", "within_budget", "losses"):  # fmt: skip
+            assert key in r, key
+        assert r["step_time_s"] > 0 and r["tokens"] == r["batch"] * 64
+        assert r["peak_device_bytes"] > 0
+        assert all(v == v for v in r["losses"])  # finite
+    for r in ok_runs:
+        if r["status"] == "skipped":
+            assert r["note"]
+    pred = secs["prediction"]["result"]
+    assert len(pred["rows"]) == len(done)
+    assert report["summary"] and report["elapsed_s"] > 0
+
+
+def test_markdown_table(dry_run):
+    _, out, _ = dry_run
+    md = (out / "gpu_check.md").read_text()
+    assert "| model | budget | plan |" in md
+    assert "the 'GPU' is the CPU" in md
+    assert "## Parity (bf16)" in md
+
+
+def test_measured_profile_loads_and_plans(dry_run):
+    _, out, _ = dry_run
+    path = str(out / "measured_profile.json")
+    prof = hardware.get_profile(path)
+    assert prof.device_type == "cpu" and prof.name == "measured-cpu"
+    assert 0 < prof.achievable_fraction <= 1
+    per_model = hardware.get_profile(str(out / "measured_profile_tiny-qwen3.json"))
+    assert per_model.layer_times and per_model.layer_times_shape == [1, 64]
+    env = dict(os.environ, PYTHONPATH=ROOT)
+    proc = subprocess.run(
+        [sys.executable, "-m", "lazytrain_hf.cli", "plan", "--model", "qwen2.5-1.5b", "--hardware", path,
+         "--seq-len", "256", "--batch-size", "1", "--json"],
+        env=env, cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout)
+    assert got["plan"]["hardware"] == "measured-cpu"
+    assert got["predicted"]["step_time_s"] > 0
