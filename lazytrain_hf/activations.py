@@ -15,6 +15,13 @@ backward goes through `torch.autograd.graph.saved_tensors_hooks` installed by th
   unpack in backward re-runs ``module.forward`` with the RNG and autocast state of the original forward under
   recording hooks and serves the recomputed tensors by index: the non-reentrant mechanism of
   ``torch.utils.checkpoint(use_reentrant=False)``.
+- block checkpointing (``Plan.checkpoint_every = K > 1``, every layer ``recompute`` with its input on the gpu tier):
+  only the input of the first layer of each block ``[s, s + K)`` (``s = 0, K, 2K, ...``; the last block may be
+  shorter) is saved, on the device; the other layers of the block save nothing at all. At the start of the block's
+  backward (`ActivationEngine.begin_backward` of its top layer, or the first unpack of any of its tensors) the whole
+  block is recomputed layer by layer from that input, each layer with its own RNG / autocast state and keyword
+  arguments, its weights bound for the recomputation by the executor (`RecomputeWeights`) and released afterwards;
+  every layer's recomputed tensors are served to its backward by index (See Note: [Block recomputation]).
 
 Weights are never offloaded: a streamed weight is handed to the executor's `ParamPacker` (a small reference is stored
 and the view is rebuilt on the layer's current device slot at unpack); without a packer, tensors whose storage is a
@@ -42,6 +49,7 @@ import shutil
 import socket
 import tempfile
 import threading
+import warnings
 import weakref
 from collections import deque
 from collections.abc import Iterator
@@ -61,6 +69,7 @@ __all__ = [
     "ActivationSpillError",
     "HostBufferPool",
     "ParamPacker",
+    "RecomputeWeights",
     "StandaloneHandle",
     "attach_standalone",
 ]
@@ -102,6 +111,18 @@ class ParamPacker(Protocol):
 
     def unpack(self, ref: object) -> torch.Tensor:
         """The same view (offset, size, stride) rebuilt on the layer's current slot."""
+        ...
+
+
+@runtime_checkable
+class RecomputeWeights(Protocol):
+    """Implemented by the streaming executor (on the object passed as ``param_packer``): binds a streamed layer's
+    weights while the activation engine recomputes it inside a checkpointed block."""
+
+    def recompute_weights(self, layer: int, next_layer: int | None) -> contextlib.AbstractContextManager:
+        """Context in which ``layer``'s parameters are bound to the device (fetched if needed); ``next_layer`` is
+        the layer recomputed next (its fetch may start meanwhile). On exit the weights are released unless the
+        backward needs them next."""
         ...
 
 
@@ -189,6 +210,14 @@ def _plain_strided(t: torch.Tensor) -> bool:
 
 def _storage_key(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
+
+
+def _fingerprint(t: torch.Tensor) -> tuple | None:
+    """Identity of a tensor's data: storage, offset, shape, strides, dtype and version (views share the version
+    counter, so an in-place change after the fingerprint was taken is seen). None for tensors without a storage."""
+    if not _plain_strided(t):
+        return None
+    return (_storage_key(t), t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t._version)
 
 
 def _tensors_in(obj: Any, out: list[torch.Tensor], depth: int = 0) -> list[torch.Tensor]:
@@ -598,11 +627,35 @@ class _RecomputeFrame:
         self.cpu_rng: torch.Tensor | None = None
         self.dev_rng: torch.Tensor | None = None
         self.autocast: list[tuple[str, dict[str, Any]]] = []
-        self.recomputed: dict[int, dict[int, tuple[torch.Tensor, int | None]]] = {}  # gid -> idx -> (t, acct key)
+        # gid -> idx -> (tensor or weight reference, acct key)
+        self.recomputed: dict[int, dict[int, tuple[torch.Tensor | _ParamRef, int | None]]] = {}
         self.done_gids: set[int] = set()
         self.holders = 0
         self.released = False
         self.lock = threading.RLock()
+        self.block: _BlockFrame | None = None  # block checkpointing: the block this layer call belongs to
+
+
+class _BlockFrame:
+    """One checkpointed block: consecutive layer calls recomputed together from the first one's saved input.
+
+    Holds the input entry until every frame of the block is released; the frames share its lock, so a block is
+    recomputed once per backward however its tensors are unpacked.
+    """
+
+    def __init__(self, start: int) -> None:
+        self.start = start
+        self.frames: list[_RecomputeFrame] = []
+        self.input: _Entry | None = None
+        self.last_out: tuple | None = None  # fingerprint of the last layer's output (forward), see _fingerprint
+        self.live = 0  # frames not released yet
+        self.done_gids: set[int] = set()
+        self.released = False
+        self.lock = threading.RLock()
+
+    @property
+    def layers(self) -> list[int]:
+        return [f.layer for f in self.frames]
 
 
 class _Slot:
@@ -644,7 +697,9 @@ class ActivationEngine:
         plan: the plan; ``plan.layers[i].policy`` and ``plan.layers[i].tier`` are read at every `begin_layer`.
         device: the compute device (``"cpu"`` or a CUDA device).
         nvme_dir: directory for spill files (``activation_nvme_dir``); required when the plan uses the nvme tier.
-        param_packer: the executor's `ParamPacker`; weights it recognises are stored as references.
+        param_packer: the executor's `ParamPacker`; weights it recognises are stored as references. When it also
+            implements `RecomputeWeights`, block recomputation (``plan.checkpoint_every > 1``) asks it to bind each
+            layer's weights; without it the layers' parameters are assumed to be usable as they are.
         pin_memory: pin the host buffer pool; default: pinned exactly when ``device`` is CUDA.
         io_threads: background reader threads of the NVMe tier (writes use one ordered writer).
         nvme_max_inflight_bytes: staging bytes of NVMe writes allowed in flight before a pack waits for the oldest
@@ -655,7 +710,8 @@ class ActivationEngine:
         engine = ActivationEngine(plan, device, nvme_dir="/scratch")
         with engine.step():                      # end_step() in finally: files removed even on errors
             loss = model(**batch).loss           # pre-hook: engine.begin_layer(i, ...); post-hook: end_layer(i)
-            loss.backward()                      # engine.prefetch(i) at the stages plan.issue_schedule() names
+            loss.backward()                      # engine.prefetch(i) at the stages plan.issue_schedule() names,
+                                                 # engine.begin_backward(i) when stage B i starts
         engine.memory_stats()
     """
 
@@ -723,6 +779,10 @@ class ActivationEngine:
         self._stack: list[_LayerCtx] = []
         self._entries: dict[int, list[_Entry]] = {}  # layer -> entries of the current step
         self._frames: dict[int, list[weakref.ReferenceType]] = {}  # layer -> recompute frames of the current step
+        # block checkpointing: the block the forward is building, and each layer's block of the latest forward
+        self._open_block: _BlockFrame | None = None
+        self._block_of: dict[int, weakref.ReferenceType] = {}
+        self._weights = param_packer if isinstance(param_packer, RecomputeWeights) else None
         self._layer_bytes: dict[int, dict[str, int]] = {}
         self._inflight: deque[tuple[Any, torch.Tensor, int | None]] = deque()  # CUDA: (event, source, acct key)
         self._writes: deque[tuple[Future, int]] = deque()  # NVMe writes in flight: (future, staging bytes)
@@ -804,7 +864,9 @@ class ActivationEngine:
                 {k: v for k, v in kwargs.items() if k != "hidden_states"}, []
             )
             ctx.shared = {_storage_key(t) for t in shared if _plain_strided(t)}
-            if lp.policy == "recompute":
+            if self.plan.checkpoint_every > 1:  # validate(): every layer is "recompute" on the gpu tier
+                ctx.frame = self._block_frame(layer, module, args, kwargs, ctx.shared)
+            elif lp.policy == "recompute":
                 ctx.frame = self._new_frame(layer, module, args, kwargs, lp.tier, ctx.shared)
             engine = self
 
@@ -818,14 +880,21 @@ class ActivationEngine:
             ctx.hooks.__enter__()
         self._stack.append(ctx)
 
-    def end_layer(self, layer: int) -> None:
-        """Exit the saved-tensor hooks of ``layer`` (forward post-hook)."""
+    def end_layer(self, layer: int, output: Any = None) -> None:
+        """Exit the saved-tensor hooks of ``layer`` (forward post-hook).
+
+        ``output``: what the layer returned. Block checkpointing needs it: the next layer continues the block only
+        when its input is this output (otherwise that layer starts a block of its own).
+        """
         if not self._stack or self._stack[-1].layer != layer:
             open_ = [c.layer for c in self._stack]
             raise RuntimeError(f"end_layer({layer}) does not match the open layers {open_}; call begin/end in pairs.")
         ctx = self._stack.pop()
         if ctx.hooks is not None:
             ctx.hooks.__exit__(None, None, None)
+        if ctx.frame is not None and ctx.frame.block is not None:
+            out = output[0] if isinstance(output, tuple | list) and output else output
+            ctx.frame.block.last_out = _fingerprint(out) if isinstance(out, torch.Tensor) else None
         ctx.dedup.clear()
         if self._spill is not None:
             self._spill.seal(self._step, layer)
@@ -1141,19 +1210,70 @@ class ActivationEngine:
         return obj
 
     # ------------------------------------------------------------------ recompute
+    @staticmethod
+    def _layer_input(layer: int, args: tuple, kwargs: dict) -> tuple[torch.Tensor, int | None]:
+        """The hidden-states input of a layer call and where it is: ``(x, 0)`` for args[0], ``(x, None)`` for
+        kwargs["hidden_states"]."""
+        if args and isinstance(args[0], torch.Tensor):
+            return args[0], 0
+        if isinstance(kwargs.get("hidden_states"), torch.Tensor):
+            return kwargs["hidden_states"], None
+        raise ValueError(
+            f"layer {layer} uses policy='recompute' but its input is neither args[0] nor kwargs['hidden_states'] "
+            "as a tensor; plan another policy for this layer."
+        )
+
+    def _block_frame(
+        self, layer: int, module: nn.Module, args: tuple, kwargs: dict, shared: set[int]
+    ) -> _RecomputeFrame:
+        """The frame of a layer call under block checkpointing: the first layer of a block saves its input on the
+        device; a later layer of the block saves nothing and is recomputed from the previous layer's output."""
+        K = self.plan.checkpoint_every
+        x, _ = self._layer_input(layer, args, kwargs)
+        block = self._open_block
+        cont = (
+            layer % K != 0
+            and block is not None
+            and not block.released
+            and block.frames[-1].layer == layer - 1
+            and block.start <= layer < block.start + K
+        )
+        if cont and (block.last_out is None or block.last_out != _fingerprint(x)):
+            # the previous layer's output was not passed to end_layer, or this input is not that output (a
+            # modified or different tensor): the recomputation could not chain, so this layer starts a block
+            cont = False
+            warnings.warn(
+                f"block checkpointing (checkpoint_every={K}): the input of layer {layer} is not the output of layer "
+                f"{layer - 1} as passed to end_layer(); layer {layer} starts a new block and saves its input.",
+                stacklevel=3,
+            )
+        if cont:
+            frame = self._new_frame(layer, module, args, kwargs, "gpu", shared, save_input=False)
+        else:
+            frame = self._new_frame(layer, module, args, kwargs, "gpu", shared)
+            block = _BlockFrame(layer)
+            block.input, frame.input = frame.input, None  # the block holds the input (its holder count moves)
+            self._open_block = block
+        frame.block = block
+        frame.lock = block.lock
+        block.frames.append(frame)
+        block.live += 1
+        block.last_out = None
+        self._block_of[layer] = weakref.ref(block)
+        return frame
+
     def _new_frame(
-        self, layer: int, module: nn.Module, args: tuple, kwargs: dict, tier: str, shared: set[int]
+        self,
+        layer: int,
+        module: nn.Module,
+        args: tuple,
+        kwargs: dict,
+        tier: str,
+        shared: set[int],
+        save_input: bool = True,
     ) -> _RecomputeFrame:
         frame = _RecomputeFrame(layer, module)
-        if args and isinstance(args[0], torch.Tensor):
-            x, frame.input_pos = args[0], 0
-        elif isinstance(kwargs.get("hidden_states"), torch.Tensor):
-            x, frame.input_pos = kwargs["hidden_states"], None
-        else:
-            raise ValueError(
-                f"layer {layer} uses policy='recompute' but its input is neither args[0] nor kwargs['hidden_states'] "
-                "as a tensor; plan another policy for this layer."
-            )
+        x, frame.input_pos = self._layer_input(layer, args, kwargs)
         frame.args = tuple(args)
         frame.kwargs = {k: (_NO_REPLAY_KWARGS[k] if k in _NO_REPLAY_KWARGS else v) for k, v in kwargs.items()}
         if frame.input_pos is None:
@@ -1163,11 +1283,12 @@ class ActivationEngine:
         frame.shared = shared
         frame.input_requires_grad = x.requires_grad
         # the input goes to the layer's input tier, like any saved tensor of that tier
-        if tier == "gpu" or not _plain_strided(x) or x.device != self.device:
-            frame.input = self._keep_entry(layer, x.detach())
-        else:
-            frame.input = self._offload_entry(layer, tier, x.detach())
-        frame.input.holders += 1  # held by the frame until it is released
+        if save_input:
+            if tier == "gpu" or not _plain_strided(x) or x.device != self.device:
+                frame.input = self._keep_entry(layer, x.detach())
+            else:
+                frame.input = self._offload_entry(layer, tier, x.detach())
+            frame.input.holders += 1  # held by the frame (or its block) until it is released
         # Note: [Recompute replays RNG and autocast state]
         # Captured before the layer's forward draws any random number, restored (inside fork_rng, so the training
         # RNG stream is untouched) before the recomputation: dropout masks come out identical.
@@ -1208,16 +1329,22 @@ class ActivationEngine:
                 )
             if gid == -1:
                 # unpacked outside backward (e.g. reading grad_fn._saved_*): recompute and keep nothing
-                tensors = self._recompute(frame, count=False)
-                return tensors[slot.idx][0]
+                if frame.block is not None:
+                    tensors = self._recompute_block(frame.block, count=False, upto=frame)[frame]
+                else:
+                    tensors = self._recompute(frame, count=False)
+                return self._resolve(tensors[slot.idx][0])
             # Note: [Recompute serves tensors by index, per backward]
             # One recomputation per backward (graph task) serves every saved tensor of the layer once, like
             # torch.utils.checkpoint(use_reentrant=False); a second backward over a retained graph recomputes again.
             if gid not in frame.recomputed:
                 if gid in frame.done_gids:
                     raise RuntimeError(f"a saved tensor of recomputed layer {frame.layer} was unpacked twice.")
-                frame.recomputed[gid] = self._recompute(frame, count=True)
-                frame.done_gids.add(gid)
+                if frame.block is not None:
+                    self._recompute_block_for(frame.block, gid)
+                else:
+                    frame.recomputed[gid] = self._recompute(frame, count=True)
+                    frame.done_gids.add(gid)
             served = frame.recomputed[gid]
             if slot.idx not in served:
                 raise RuntimeError(f"a saved tensor of recomputed layer {frame.layer} was unpacked twice.")
@@ -1226,11 +1353,93 @@ class ActivationEngine:
                 del frame.recomputed[gid]
         if key is not None:
             self._acct.remove_storage(key)
-        return t
+        return self._resolve(t)
+
+    def _resolve(self, t: torch.Tensor | _ParamRef) -> torch.Tensor:
+        """A recorded tensor, or the weight view a recorded reference names (rebuilt on the layer's current slot)."""
+        return self.param_packer.unpack(t.ref) if isinstance(t, _ParamRef) else t
+
+    def begin_backward(self, layer: int) -> None:
+        """Stage ``B layer`` starts (the executor's backward pre-hook, inside backward).
+
+        Under block checkpointing the first backward stage of a block (its top layer) recomputes the whole block
+        now, before any of its tensors is unpacked (See Note: [Block recomputation]). A no-op for per-layer
+        policies, outside a backward, and for a block already recomputed in this backward.
+        """
+        if self.plan.checkpoint_every == 1:
+            return
+        ref = self._block_of.get(layer)
+        block = ref() if ref is not None else None
+        gid = torch._C._current_graph_task_id()
+        if block is None or gid == -1:
+            return
+        with block.lock:
+            if not block.released and gid not in block.done_gids:
+                self._recompute_block_for(block, gid)
+
+    def _recompute_block_for(self, block: _BlockFrame, gid: int) -> None:
+        """Recompute ``block`` for backward ``gid`` and hand every live frame its tensors (under ``block.lock``)."""
+        outs = self._recompute_block(block, count=True)
+        block.done_gids.add(gid)
+        for frame, out in outs.items():
+            frame.recomputed[gid] = out
+            frame.done_gids.add(gid)
+
+    def _recompute_block(
+        self, block: _BlockFrame, count: bool, upto: _RecomputeFrame | None = None
+    ) -> dict[_RecomputeFrame, dict[int, tuple[torch.Tensor | _ParamRef, int | None]]]:
+        """Re-run the block's layers in order from its saved input; saved tensors per frame (frames released
+        already run, to feed the next layer, but record nothing). ``upto``: stop after that frame.
+
+        Note: [Block recomputation]
+        Layer ``k`` of the block runs on the output of layer ``k - 1``'s recomputation (the forward checked that
+        its input was that output, `_block_frame`), with its own captured RNG / autocast state and keyword
+        arguments, so it saves bit-identical tensors. Its weights are bound by the executor for the duration
+        (`RecomputeWeights.recompute_weights`) and may be released right after: saved weights are recorded as the
+        executor's references (`ParamPacker.pack`) and rebuilt on the layer's slot of the backward when unpacked,
+        never as views of the slot used for the recomputation. Recorded activations count as device bytes until
+        autograd unpacks them.
+        """
+        frames = block.frames
+        if upto is not None:
+            frames = frames[: frames.index(upto) + 1]
+        outs: dict[_RecomputeFrame, dict[int, tuple[torch.Tensor | _ParamRef, int | None]]] = {}
+        x = self._materialize(block.input)
+        try:
+            for n, frame in enumerate(frames):
+                nxt = frames[n + 1].layer if n + 1 < len(frames) else None
+                bind = self._weights.recompute_weights(frame.layer, nxt) if self._weights else contextlib.nullcontext()
+                with bind:
+                    out, y = self._run_forward(frame, x, count and not frame.released, weight_refs=True)
+                if not frame.released:
+                    outs[frame] = out
+                if not isinstance(y, torch.Tensor):
+                    raise RuntimeError(
+                        f"recomputing block {block.layers}: layer {frame.layer} returned {type(y).__name__}, not the "
+                        "hidden states; use checkpoint_every=1 for this model."
+                    )
+                x = y.detach()
+        except BaseException:
+            for out in outs.values():
+                for _, key in out.values():
+                    if key is not None:
+                        self._acct.remove_storage(key)
+            raise
+        return outs
 
     def _recompute(self, frame: _RecomputeFrame, count: bool) -> dict[int, tuple[torch.Tensor, int | None]]:
         """Re-run the layer's forward under recording hooks; saved tensors by index (with accounting keys)."""
-        x = self._materialize(frame.input).detach().requires_grad_(frame.input_requires_grad)
+        return self._run_forward(frame, self._materialize(frame.input), count)[0]
+
+    def _run_forward(
+        self, frame: _RecomputeFrame, x: torch.Tensor, count: bool, weight_refs: bool = False
+    ) -> tuple[dict[int, tuple[torch.Tensor | _ParamRef, int | None]], Any]:
+        """Run ``frame``'s layer forward on input ``x`` with its RNG / autocast state under recording hooks.
+
+        Returns the saved tensors by index (with accounting keys when ``count``) and the hidden states it returned.
+        ``weight_refs``: weights the executor's packer recognises are recorded as its references.
+        """
+        x = x.detach().requires_grad_(frame.input_requires_grad)
         args, kwargs = frame.args, dict(frame.kwargs)
         if frame.input_pos is None:
             kwargs["hidden_states"] = x
@@ -1241,8 +1450,9 @@ class ActivationEngine:
         skip = {_storage_key(p) for p in module.parameters()} | {_storage_key(b) for b in module.buffers()}
         skip |= frame.shared
         expected = frame.meta
-        out: dict[int, tuple[torch.Tensor, int | None]] = {}
+        out: dict[int, tuple[torch.Tensor | _ParamRef, int | None]] = {}
         acct = self._acct
+        packer = self.param_packer if weight_refs else None
 
         def pack(t: torch.Tensor) -> None:
             i = len(out)
@@ -1253,6 +1463,10 @@ class ActivationEngine:
                     f"forward saved {want}. The layer's forward is not deterministic in what it saves; plan another "
                     "policy than recompute for it."
                 )
+            ref = packer.pack(t) if packer is not None else None
+            if ref is not None:
+                out[i] = (_ParamRef(ref), None)
+                return None
             t = t.detach() if t.requires_grad else t
             key = None
             if count and _plain_strided(t) and t.device == self.device and _storage_key(t) not in skip:
@@ -1261,26 +1475,30 @@ class ActivationEngine:
             return None
 
         devices = [self.device] if self.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices, enabled=True, device_type=self.device.type):
-            torch.set_rng_state(frame.cpu_rng)
-            if frame.dev_rng is not None:
-                torch.cuda.set_rng_state(frame.dev_rng, self.device)
-            with contextlib.ExitStack() as stack:
-                for device_type, kw in frame.autocast:
-                    stack.enter_context(torch.amp.autocast(device_type, **kw))
-                stack.enter_context(torch.enable_grad())
-                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
-                # `module.forward`, not `module(...)`: the executor's hooks on this layer must not fire again
-                module.forward(*args, **kwargs)
-        if len(out) != len(expected):
+        try:
+            with torch.random.fork_rng(devices=devices, enabled=True, device_type=self.device.type):
+                torch.set_rng_state(frame.cpu_rng)
+                if frame.dev_rng is not None:
+                    torch.cuda.set_rng_state(frame.dev_rng, self.device)
+                with contextlib.ExitStack() as stack:
+                    for device_type, kw in frame.autocast:
+                        stack.enter_context(torch.amp.autocast(device_type, **kw))
+                    stack.enter_context(torch.enable_grad())
+                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
+                    # `module.forward`, not `module(...)`: the executor's hooks on this layer must not fire again
+                    result = module.forward(*args, **kwargs)
+            if len(out) != len(expected):
+                raise RuntimeError(
+                    f"recomputing layer {frame.layer} saved {len(out)} tensors, the original forward saved "
+                    f"{len(expected)}; plan another policy than recompute for it."
+                )
+        except BaseException:
             for _, key in out.values():
                 if key is not None:
                     acct.remove_storage(key)
-            raise RuntimeError(
-                f"recomputing layer {frame.layer} saved {len(out)} tensors, the original forward saved "
-                f"{len(expected)}; plan another policy than recompute for it."
-            )
-        return out
+            raise
+        hidden = result[0] if isinstance(result, tuple | list) and result else result
+        return out, hidden
 
     # ------------------------------------------------------------------ release
     def _drop_holder(self, entry: _Entry) -> None:
@@ -1309,7 +1527,26 @@ class ActivationEngine:
             frame.recomputed.clear()
             if frame.input is not None:
                 self._drop_holder(frame.input)
-            frame.args, frame.kwargs = (), {}
+            block = frame.block
+            if block is None:
+                frame.args, frame.kwargs = (), {}
+                return
+            # a block keeps its frames' call arguments (the recomputation replays every layer) and its input until
+            # the last of its frames is released
+            block.live -= 1
+            if block.live <= 0:
+                self._release_block(block)
+
+    def _release_block(self, block: _BlockFrame) -> None:
+        with block.lock:
+            if block.released:
+                return
+            block.released = True
+            for frame in block.frames:
+                frame.args, frame.kwargs = (), {}
+            if block.input is not None:
+                entry, block.input = block.input, None
+                self._drop_holder(entry)
 
     def _release(self, entry: _Entry) -> None:
         """Give back everything an entry holds (device tensors, host buffer, file bytes). Idempotent."""
@@ -1374,6 +1611,12 @@ class ActivationEngine:
                 frame = ref()
                 if frame is not None:
                     self._release_frame(frame)
+        for ref in self._block_of.values():
+            block = ref()
+            if block is not None:
+                self._release_block(block)
+        self._block_of.clear()
+        self._open_block = None
         for entries in self._entries.values():
             for e in entries:
                 self._release(e)
@@ -1459,6 +1702,7 @@ class ActivationEngine:
         policies = ", ".join(f"{k}={v}" for k, v in counts.items())
         return (
             f"ActivationEngine(device={str(self.device)!r}, layers={self.plan.num_layers} [{policies}], "
+            f"checkpoint_every={self.plan.checkpoint_every}, "
             f"nvme_dir={self.nvme_dir!r}, pin_memory={self.pin_memory}, "
             f"packer={type(self.param_packer).__name__ if self.param_packer else None})"
         )
@@ -1502,7 +1746,8 @@ def attach_standalone(model: nn.Module, engine: ActivationEngine, prefetch: bool
     Forward pre/post hooks on each decoder layer call `ActivationEngine.begin_layer` / `end_layer`; reloads are
     issued at the stages ``engine.plan.issue_schedule()`` names: forward stages in the layer pre-hooks, the head
     stage when the last layer's forward ends, the backward stage of layer ``i`` when the gradient of its output
-    arrives. Call ``engine.end_step()`` (or use ``with engine.step():``) after backward.
+    arrives (where `ActivationEngine.begin_backward` also runs). Call ``engine.end_step()`` (or use
+    ``with engine.step():``) after backward.
 
     Args:
         model: a `*ForCausalLM` of a type in `lazytrain_hf.models.MODEL_TABLE`.
@@ -1529,7 +1774,7 @@ def attach_standalone(model: nn.Module, engine: ActivationEngine, prefetch: bool
             engine.begin_layer(i, module, args, kwargs)
 
         def post(module: nn.Module, args: tuple, kwargs: dict, output: Any, i: int = i) -> None:
-            engine.end_layer(i)
+            engine.end_layer(i, output)
             if i == L - 1:
                 handle.issue(L)  # stage H starts when the last layer's forward ends
             out = output[0] if isinstance(output, tuple | list) else output
@@ -1537,6 +1782,7 @@ def attach_standalone(model: nn.Module, engine: ActivationEngine, prefetch: bool
 
                 def on_grad(grad: torch.Tensor, i: int = i) -> None:
                     handle.issue(2 * L - i)  # stage B i starts when the gradient of its output arrives
+                    engine.begin_backward(i)
 
                 out.register_hook(on_grad)
 

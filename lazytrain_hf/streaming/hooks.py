@@ -6,7 +6,9 @@
   plan lists for it, wait for the layer's slot, bind its parameters as views into the slot, enter the activation
   engine's saved-tensor hooks) and its end (leave them, release the slot unless the layer is needed again soon);
 - two identity autograd functions around each layer in grad mode: one on the layer output, whose backward marks
-  the start of stage ``B i`` (re-fetch the layer, issue the plan's transfers), and one on the layer input, whose
+  the start of stage ``B i`` (re-fetch the layer, issue the plan's transfers; under block checkpointing,
+  ``plan.checkpoint_every > 1``, the top layer of a block also has the activation engine recompute the whole block,
+  binding each of its layers through `StreamHandle.recompute_weights`), and one on the layer input, whose
   backward marks that every gradient flowing through the layer has been computed;
 - a post-accumulate-grad hook on every trainable parameter: when all the parameters of a layer that take part in
   this backward have their gradient, the layer's gradients are reduced to a squared norm on the device, moved into
@@ -43,12 +45,13 @@ Note: [Squared norms of accumulated gradients]
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import warnings
 import weakref
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
@@ -134,13 +137,16 @@ class KeepAllActivations:
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
         self._ctx.__enter__()
 
-    def end_layer(self, layer: int) -> None:
+    def end_layer(self, layer: int, output: Any = None) -> None:
         if self._ctx is not None:
             ctx, self._ctx = self._ctx, None
             ctx.__exit__(None, None, None)
         self._peak = max(self._peak, self._gpu_bytes())
 
     def prefetch(self, layer: int) -> None:
+        return None
+
+    def begin_backward(self, layer: int) -> None:
         return None
 
     def _gpu_bytes(self) -> int:
@@ -379,7 +385,13 @@ class StreamHandle:
             depth = max(
                 max(plan.layers[st.index].fetch_fwd_ahead, plan.layers[st.index].fetch_bwd_ahead) for st in sts
             )
-            self.engine.add_pool(kind, nbytes, min(len(sts), max(1, depth) + 1))
+            # Note: [Block recomputation binds its layers one by one]: a checkpointed block is recomputed while its
+            # top layer is bound and the backward prefetch holds the next layers' slots; the remaining layers of the
+            # block are recomputed double-buffered in at most two more slots (the planner's "recompute double
+            # buffer"), or one when a single layer is left
+            bwd_depth = max(plan.layers[st.index].fetch_bwd_ahead for st in sts)
+            extra = min(2, max(0, plan.checkpoint_every - 1 - bwd_depth))
+            self.engine.add_pool(kind, nbytes, min(len(sts), max(1, depth) + 1 + extra))
 
         # ---- phase 3: point streamed params at the host copy, move resident params and buffers ----
         with torch.no_grad():
@@ -492,6 +504,30 @@ class StreamHandle:
         for e in st.store.entries:  # Note: [Parameters point at the host copy unless bound]
             e.param.data = e.view_bytes(buf)
         st.bound = True
+
+    @contextlib.contextmanager
+    def recompute_weights(self, layer: int, next_layer: int | None = None) -> Iterator[None]:
+        """Bind ``layer``'s weights while the activation engine recomputes it inside a checkpointed block
+        (`lazytrain_hf.activations.RecomputeWeights`).
+
+        Note: [Block recomputation binds its layers one by one]
+            The layer is fetched (unless its slot already holds it) and bound; the fetch of ``next_layer`` is
+            issued meanwhile when a slot is free, so it overlaps this layer's recomputation on CUDA. Afterwards
+            the slot is released, unless the backward needs the layer next: its backward stage has started (the
+            block's top layer) or its backward fetch was already issued (``want_bwd``). Saved weights are recorded
+            as references (Note: [Saved weights are references]), so the backward binds the layer again, on
+            whatever slot it gets then. A released slot is only refilled after the recomputation's kernels ran
+            (Note: [Slot reuse waits for the compute event]).
+        """
+        st = self._layers[layer]
+        self._bind(layer)
+        if next_layer is not None:
+            self._fetch(next_layer, urgent=False)
+        try:
+            yield
+        finally:
+            if not (st.bwd_started or st.want_bwd):
+                self._release(layer)
 
     def _release(self, i: int) -> None:
         st = self._layers[i]
@@ -610,7 +646,7 @@ class StreamHandle:
         st = self._layers[i]
         if st.in_engine:
             st.in_engine = False
-            self.activations.end_layer(i)
+            self.activations.end_layer(i, output)
         if output is None:  # the layer's forward raised; the next forward or remove() cleans up
             return None
         # Decoder layers return the hidden states (transformers >= 5) or a tuple starting with them.
@@ -675,6 +711,9 @@ class StreamHandle:
         st.bwd_started = True
         self._run_stages(2 * self.num_layers - i)
         self._bind(i)
+        if self.plan.checkpoint_every > 1:
+            # the top layer of a checkpointed block: the block is recomputed now, before its backward
+            self.activations.begin_backward(i)
         self._account()
 
     def _on_input_grad(self, step: int, i: int) -> None:
