@@ -538,7 +538,7 @@ def _plans_for_budget(cfg, name, profile, seq, b_t, times, budget, host_budget, 
             cm = cm_t.with_batch(b)
             note = ""
             if bl == "megatrain":
-                note = "executor runs per-layer recompute (plan.checkpoint_every is not executed), optimizer after backward"
+                note = f"block recompute (K={baselines.MEGATRAIN_CHECKPOINT_EVERY}), optimizer after backward"
             out.append((bl, baselines.make_baseline(bl, cm), cm, note))
     return out
 
