@@ -165,8 +165,6 @@ def test_attach_errors():
     kinds = ["full_attention+moe"] * 4
     with pytest.raises(ValueError, match=r"plan.layers\[0\].kind='full_attention\+moe'"):
         attach(model, plan=Plan.default(4, kinds=kinds))
-    with pytest.raises(ValueError, match="stream_embeddings"):
-        attach(model, plan=Plan.default(4, stream_embeddings=True))
     with pytest.raises(TypeError, match="device"):
         attach(model, device=3)
     with pytest.raises(ValueError, match="device='tpu'|not a valid device|only 'cpu'"):

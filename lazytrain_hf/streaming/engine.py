@@ -58,6 +58,7 @@ class Slot:
     kind: str
     buffer: torch.Tensor  # uint8, on the device
     pooled: bool = True
+    transient: bool = False  # allocated for one fetch and freed by `release` (embeddings, final norm, lm_head)
     owner: int | None = None  # layer currently bound to (or being fetched into) this slot
     ready: torch.cuda.Event | None = None  # see Note: [Compute waits for the H2D event]
     released: torch.cuda.Event | None = None  # see Note: [Slot reuse waits for the compute event]
@@ -125,6 +126,26 @@ class TransferEngine:
         """A slot outside the pool, for a layer the plan keeps resident for the whole step."""
         return self._new_slot(kind, nbytes, False)
 
+    def transient_slot(self, kind: str, nbytes: int) -> Slot:
+        """A slot allocated for one fetch and freed by `release`: for parts fetched once or twice per step (the
+        embeddings, final norm and lm_head when the plan streams them), whose memory a pool would hold for good.
+
+        Note: [Transient slots are stream-ordered allocations]
+            The buffer comes from the caching allocator on the compute stream, so its memory may have just been
+            freed by compute kernels still queued. ``slot.released`` is recorded on the compute stream at
+            allocation, and the H2D copy waits for it like a reused slot (Note: [Slot reuse waits for the compute
+            event]); the buffer is marked as used by the H2D stream, so freeing it in `release` (on the compute
+            stream, after the compute waited for ``slot.ready``) cannot hand its memory out before the copy ran.
+        """
+        slot = self._new_slot(kind, _align256(nbytes), False)
+        slot.transient = True
+        if self.is_cuda:
+            ev = torch.cuda.Event()
+            ev.record(torch.cuda.current_stream(self.device))
+            slot.released = ev
+            slot.buffer.record_stream(self.h2d_stream)
+        return slot
+
     def free_slots(self, kind: str) -> int:
         return len(self._free.get(kind, ()))
 
@@ -154,6 +175,11 @@ class TransferEngine:
             ev.record(torch.cuda.current_stream(self.device))
             slot.released = ev
         slot.owner = None
+        if slot.transient:
+            # Note: [Transient slots are stream-ordered allocations]
+            self.by_ptr.pop(slot.storage_ptr, None)
+            slot.buffer = slot.buffer.new_empty(0)
+            return
         if slot.pooled:
             self._free[slot.kind].append(slot)
 
@@ -271,6 +297,10 @@ class TransferEngine:
         self._free.clear()
         self.by_ptr.clear()
         self._host_read.clear()
+
+
+def _align256(n: int) -> int:
+    return (n + 255) // 256 * 256
 
 
 class _HostWorker:

@@ -14,7 +14,8 @@
   this backward have their gradient, the layer's gradients are reduced to a squared norm on the device, moved into
   the host fp32 accumulators and freed, and the layer's slot goes back to the pool;
 
-and returns a `StreamHandle` whose `remove()` restores the model exactly.
+and returns a `StreamHandle` whose `remove()` restores the model exactly. With ``plan.stream_embeddings`` the input
+embedding and the head (final norm + lm_head) are streamed too, see Note: [Streamed embeddings and head].
 
 Note: [Parameters point at the host copy unless bound]
     A streamed parameter keeps its `nn.Parameter` object. While its layer is not bound, ``param.data`` is a view
@@ -71,6 +72,10 @@ from .store import ALIGN_BYTES, HostStore, LayerStore, _align
 RESIDENT_TRAINABLE_FRACTION = 0.1
 
 _ATTACHED: weakref.WeakSet[nn.Module] = weakref.WeakSet()
+
+# Key of the input-embedding unit in `HostStore.layers` when the plan streams embeddings (the head unit's key is the
+# number of decoder layers): sorted keys give the optimizer's order, embedding first, head last.
+EMBED_KEY = -1
 
 
 class _SlotRef(NamedTuple):
@@ -236,6 +241,7 @@ class _LayerState:
     store: LayerStore | None
     resident: bool  # plan: weights stay on the device (dedicated slot, bound for good)
     trainable: dict[int, nn.Parameter]  # id -> every trainable parameter of the layer (streamed or resident)
+    transient: bool = False  # fetched into a transient slot (embeddings / head units), see `_add_units`
     slot: Slot | None = None  # bound, or fetched and waiting to be bound
     bound: bool = False
     # per step
@@ -289,7 +295,9 @@ class StreamHandle:
         model: the model as passed to `attach` (a PEFT wrapper stays the wrapper).
         plan: the `Plan` being executed.
         device: the compute device.
-        store: the `HostStore` (per-layer flat fp32 master, compute copy and fp32 grad buffers, name-keyed views).
+        store: the `HostStore` (per-layer flat fp32 master, compute copy and fp32 grad buffers, name-keyed views);
+            with ``plan.stream_embeddings`` also the embedding (key ``EMBED_KEY``) and the head (key ``num_layers``),
+            see Note: [Streamed embeddings and head].
         engine: the `TransferEngine` (slot pool, copy streams).
         activations: the activation engine (saved tensors per the plan).
         sq_norms: ``{layer: squared norm of its accumulated gradient}`` (0-dim fp32 tensors, on the device or the
@@ -337,6 +345,7 @@ class StreamHandle:
         self._device_grad_bytes = 0
         self._peak = 0
         self._loss_stats: dict[str, int] = {}
+        self._embed_began = False  # the embedding's pre-hook began this step (layer 0 must not begin another)
         self._loss_peak = 0
 
         layers = models.decoder_layers(self.root)
@@ -373,6 +382,13 @@ class StreamHandle:
                 )
                 streamed_ids.update(id(p) for p in streamed)
             self._layers.append(_LayerState(i, layer, lp.kind, ls, bool(lp.resident), {id(p): p for p in trainable}))
+        self._all: dict[int, _LayerState] = {st.index: st for st in self._layers}
+        self._units: dict[int, _LayerState] = {}
+        # Note: [Streamed embeddings and head]
+        self.embed_key, self.head_key = EMBED_KEY, self.num_layers
+        self._tied = False
+        if plan.stream_embeddings:
+            self._add_units(streamed_ids)
         self._streamed_ids = streamed_ids
 
         # ---- phase 2: slot pool per kind, dedicated slots for plan-resident layers ----
@@ -395,7 +411,7 @@ class StreamHandle:
 
         # ---- phase 3: point streamed params at the host copy, move resident params and buffers ----
         with torch.no_grad():
-            for st in self._layers:
+            for st in self._all.values():
                 if st.store is None:
                     continue
                 for e in st.store.entries:
@@ -437,6 +453,8 @@ class StreamHandle:
             )
             for p in st.trainable.values():
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(st.index)))
+        if plan.stream_embeddings:
+            self._install_unit_hooks()
         self._account()
 
     # ================================================================== repr
@@ -446,7 +464,8 @@ class StreamHandle:
             f"StreamHandle(model_type={self.spec.model_type!r}, device={self.device}, layers={self.num_layers}, "
             f"streamed={n_str}, resident_layers={sum(st.resident for st in self._layers)}, "
             f"pools={ {k: len(v) for k, v in self.engine.pools.items()} }, "
-            f"activations={type(self.activations).__name__}, removed={self._removed})"
+            f"stream_embeddings={bool(self._units)}, activations={type(self.activations).__name__}, "
+            f"removed={self._removed})"
         )
 
     # ================================================================== ParamPacker
@@ -475,18 +494,21 @@ class StreamHandle:
         if not isinstance(ref, _SlotRef):
             raise TypeError(f"unpack() got {type(ref).__name__}; expected a reference made by pack().")
         self._bind(ref.layer)
-        st = self._layers[ref.layer]
+        st = self._all[ref.layer]
         flat = st.slot.typed(ref.dtype)
         return flat.as_strided(ref.size, ref.stride, ref.byte_offset // ref.dtype.itemsize)
 
     # ================================================================== fetch / bind / release
     def _fetch(self, i: int, urgent: bool) -> bool:
-        st = self._layers[i]
+        st = self._all[i]
         if st.store is None or st.slot is not None:
             return True
         if self.fetch_guard is not None:
             self.fetch_guard(i)
-        slot = self.engine.acquire(st.kind, urgent)
+        if st.transient:
+            slot = self.engine.transient_slot(st.kind, st.store.nbytes)
+        else:
+            slot = self.engine.acquire(st.kind, urgent)
         if slot is None:
             return False
         self.engine.copy_in(slot, st.store.compute_bytes, i)
@@ -494,7 +516,7 @@ class StreamHandle:
         return True
 
     def _bind(self, i: int) -> None:
-        st = self._layers[i]
+        st = self._all[i]
         if st.store is None or st.bound:
             return
         if st.slot is None:
@@ -519,7 +541,7 @@ class StreamHandle:
             whatever slot it gets then. A released slot is only refilled after the recomputation's kernels ran
             (Note: [Slot reuse waits for the compute event]).
         """
-        st = self._layers[layer]
+        st = self._all[layer]
         self._bind(layer)
         if next_layer is not None:
             self._fetch(next_layer, urgent=False)
@@ -530,7 +552,7 @@ class StreamHandle:
                 self._release(layer)
 
     def _release(self, i: int) -> None:
-        st = self._layers[i]
+        st = self._all[i]
         if st.resident or st.slot is None:
             return
         if st.bound:
@@ -544,7 +566,7 @@ class StreamHandle:
     def _retry_deferred(self) -> None:
         pending, self._deferred = self._deferred, []
         for what, i in pending:
-            st = self._layers[i]
+            st = self._all[i]
             if what == "fetch_fwd" and (self._phase != "forward" or self._stage >= i):
                 continue  # its forward already ran (fetched on demand)
             if what == "fetch_bwd" and (st.completed or st.bwd_started):
@@ -559,7 +581,7 @@ class StreamHandle:
         if what == "fetch_bwd":
             if not self._grad_step:
                 return
-            self._layers[i].want_bwd = True
+            self._all[i].want_bwd = True
         if not self._fetch(i, urgent=False):
             self._deferred.append((what, i))
 
@@ -575,17 +597,18 @@ class StreamHandle:
         if self._phase != "idle":
             self._abort_step()
         self._step_id += 1
+        self._embed_began = False
         self._phase = "forward"
         self._grad_step = torch.is_grad_enabled()
         self._stage = -1
         self._deferred.clear()
         self._boundary_nodes.clear()
-        for st in self._layers:
+        for st in self._all.values():
             st.reset_step()
 
     def _abort_step(self) -> None:
         """End a step that will get no backward (eval forward, exception, discarded graph)."""
-        for st in self._layers:
+        for st in self._all.values():
             if st.in_engine:
                 st.in_engine = False
                 self.activations.end_layer(st.index)
@@ -605,6 +628,122 @@ class StreamHandle:
         self._device_grad_bytes -= st.device_grad_bytes
         st.device_grad_bytes = 0
 
+    # ================================================================== embeddings and head
+    def _add_units(self, streamed_ids: set[int]) -> None:
+        """Put the input embedding and the head (final norm + lm_head) into the host store as two extra units.
+
+        Note: [Streamed embeddings and head]
+            With ``plan.stream_embeddings`` the input embedding is the unit ``EMBED_KEY`` (-1) and the final norm
+            with the lm_head the unit ``num_layers`` of `HostStore.layers`: fp32 master, compute copy and fp32
+            gradient accumulators like a decoder layer, updated by the same layer-wise optimizer (sorted keys: the
+            embedding first, the head last) and guarded by the same ``fetch_guard``. They are fetched into
+            transient slots (Note: [Transient slots are stream-ordered allocations]) since each is used once or
+            twice per step:
+
+            - the embedding is bound by its forward pre-hook (which begins the step) and released by its forward
+              hook: the lookup's backward is a scatter-add of the output gradient that does not read the weight,
+              so the weight's gradient reaches its post-accumulate-grad hook with the unit released and goes to
+              the host accumulator like a layer's (Note: [Squared norms of accumulated gradients]);
+            - the head is bound by the final norm's forward pre-hook, which also puts an input boundary on the
+              norm's input; it stays bound through the lm_head (plain ``model(...)``) or the chunked loss and is
+              released when its backward is complete (every trainable head parameter accumulated and the norm's
+              input gradient computed), or right away when no backward goes through it (evaluate, generate);
+            - tied embeddings (``lm_head.weight is embed_tokens.weight``): the shared parameter belongs to the
+              embedding unit only (one master, one accumulator); the head stage binds that unit again and releases
+              it with the head. Autograd sums the two uses' gradients before the parameter's accumulation, so the
+              head's part waits on the device until the embedding's backward, exactly as with resident weights.
+        """
+        root = self.root
+        embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)
+        embed_params = list(embed.parameters())
+        embed_ids = {id(p) for p in embed_params}
+        self._tied = any(id(p) in embed_ids for p in head.parameters())
+        head_params = list(norm.parameters()) + [p for p in head.parameters() if id(p) not in embed_ids]
+        self._embed_module, self._norm_module, self._head_module = embed, norm, head
+        for key, kind, module, params in (
+            (self.embed_key, "embed", embed, embed_params),
+            (self.head_key, "head", norm, head_params),
+        ):
+            for p in params:
+                if id(p) in streamed_ids:
+                    raise ValueError(
+                        f"plan.stream_embeddings=True: parameter {self._names.get(id(p))} is shared with a decoder "
+                        "layer; set stream_embeddings=False for this model."
+                    )
+            ls = self.store.add_layer(key, kind, [(self._names[id(p)], p) for p in params]) if params else None
+            st = _LayerState(key, module, kind, ls, False, {id(p): p for p in params if p.requires_grad})
+            st.transient = True
+            self._all[key] = self._units[key] = st
+            streamed_ids.update(id(p) for p in params)
+
+    def _install_unit_hooks(self) -> None:
+        self._hooks.append(self._embed_module.register_forward_pre_hook(self._embed_pre_forward, with_kwargs=True))
+        self._hooks.append(
+            self._embed_module.register_forward_hook(self._embed_post_forward, with_kwargs=True, always_call=True)
+        )
+        self._hooks.append(self._norm_module.register_forward_pre_hook(self._head_pre_forward, with_kwargs=True))
+        self._hooks.append(
+            self._head_module.register_forward_hook(self._head_post_forward, with_kwargs=True, always_call=True)
+        )
+        for key, st in self._units.items():
+            for p in st.trainable.values():
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(key)))
+
+    def _embed_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        self._begin_step()
+        self._embed_began = True
+        st = self._all[self.embed_key]
+        self._bind(self.embed_key)
+        if self._grad_step and torch.is_grad_enabled() and st.trainable:
+            st.expected = set(st.trainable)
+        # generate() puts input ids on `model.device`, the first parameter's: the host copy while unbound
+        if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
+            args = (args[0].to(self.device), *args[1:])
+        return args, kwargs
+
+    def _embed_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._account()
+        self._release(self.embed_key)
+
+    def _head_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        if self._phase == "idle":
+            self._begin_step()
+        key = self.head_key
+        st = self._all[key]
+        self._bind(key)
+        if self._tied:
+            self._bind(self.embed_key)
+        if self._grad_step and torch.is_grad_enabled():
+            st.expected = set(st.trainable)
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("hidden_states")
+            if isinstance(x, torch.Tensor) and x.requires_grad:
+                step = self._step_id
+                st.input_rg = True
+                x = _InputBoundary.apply(x, lambda: self._on_input_grad(step, key))
+                self._boundary_nodes.add(x.grad_fn)
+                if args and isinstance(args[0], torch.Tensor):
+                    args = (x, *args[1:])
+                else:
+                    kwargs = {**kwargs, "hidden_states": x}
+        self._account()
+        return args, kwargs
+
+    def _head_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        self._head_end(output)
+
+    def _head_end(self, output: Any) -> None:
+        """The head's forward is over (lm_head or chunked loss): release it unless a backward goes through it."""
+        st = self._all[self.head_key]
+        needs_bwd = st.expected is not None and isinstance(output, torch.Tensor) and output.requires_grad
+        self._account()
+        if needs_bwd:
+            return
+        st.expected = None
+        st.completed = True
+        self._release(self.head_key)
+        if self._tied:
+            self._release(self.embed_key)
+
     # ================================================================== forward hooks
     def _make_pre_hook(self, i: int) -> Callable:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -619,11 +758,12 @@ class StreamHandle:
         return post_hook
 
     def _pre_forward(self, i: int, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
-        if i == 0 or self._phase != "forward" or self._stage >= i:
+        if (i == 0 and not self._embed_began) or self._phase != "forward" or self._stage >= i:
             self._begin_step()
+        self._embed_began = False
         self._run_stages(i)
         self._bind(i)
-        st = self._layers[i]
+        st = self._all[i]
         if self._grad_step and torch.is_grad_enabled():
             step = self._step_id
             if args and isinstance(args[0], torch.Tensor):
@@ -643,7 +783,7 @@ class StreamHandle:
         return args, kwargs
 
     def _post_forward(self, i: int, output: Any) -> Any:
-        st = self._layers[i]
+        st = self._all[i]
         if st.in_engine:
             st.in_engine = False
             self.activations.end_layer(i, output)
@@ -704,10 +844,8 @@ class StreamHandle:
 
     def _on_backward_stage(self, step: int, i: int) -> None:
         self._check_step(step)
-        if self._phase != "backward":
-            self._phase = "backward"
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
-        st = self._layers[i]
+        self._enter_backward()
+        st = self._all[i]
         st.bwd_started = True
         self._run_stages(2 * self.num_layers - i)
         self._bind(i)
@@ -716,14 +854,23 @@ class StreamHandle:
             self.activations.begin_backward(i)
         self._account()
 
+    def _enter_backward(self) -> None:
+        if self._phase != "backward":
+            self._phase = "backward"
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_end)
+
     def _on_input_grad(self, step: int, i: int) -> None:
         self._check_step(step)
-        self._layers[i].input_done = True
+        if i in self._units and self._phase == "forward":  # the head's backward runs before any layer's
+            self._enter_backward()
+        self._all[i].input_done = True
         self._maybe_complete(i)
 
     def _make_grad_hook(self, i: int) -> Callable[[torch.Tensor], None]:
         def grad_hook(p: torch.Tensor) -> None:
-            st = self._layers[i]
+            st = self._all[i]
+            if i in self._units and self._phase == "forward" and st.expected is not None:
+                self._enter_backward()  # the head's gradients arrive before any layer's backward stage
             if self._phase != "backward" or st.completed:
                 return  # e.g. torch.autograd.backward on a graph this executor did not record
             st.accumulated.add(id(p))
@@ -736,7 +883,7 @@ class StreamHandle:
         return grad_hook
 
     def _maybe_complete(self, i: int) -> None:
-        st = self._layers[i]
+        st = self._all[i]
         if st.completed or st.expected is None:
             return
         if (st.input_done or not st.input_rg) and st.expected <= st.accumulated:
@@ -744,7 +891,7 @@ class StreamHandle:
 
     def _complete(self, i: int) -> None:
         """Move the layer's gradients to the host, take their norm, free them, release the slot."""
-        st = self._layers[i]
+        st = self._all[i]
         st.completed = True
         self._account()  # the layer's device gradients are all there now: the backward high-water mark
         ls = st.store
@@ -778,6 +925,8 @@ class StreamHandle:
         elif self._callbacks:
             self._run_callbacks(i)
         self._release(i)
+        if i == self.head_key and self._tied:
+            self._release(self.embed_key)  # the lm_head's use of the tied weight is over too
 
     def _after_offload(self, i: int, host_norm: bool) -> Callable[[], None] | None:
         if not host_norm and not self._callbacks:
@@ -799,7 +948,7 @@ class StreamHandle:
             fn(i, grads)
 
     def _on_backward_end(self) -> None:
-        for st in self._layers:
+        for st in self._all.values():
             if st.expected is not None and not st.completed:
                 self._complete(st.index)
             self._release(st.index)
@@ -892,7 +1041,7 @@ class StreamHandle:
 
     def layer_grads(self, i: int) -> dict[str, torch.Tensor]:
         """Gradients of decoder layer ``i`` accumulated since `zero_grad`, keyed by parameter name."""
-        st = self._layers[i]
+        st = self._all[i]
         out: dict[str, torch.Tensor] = {}
         if st.store is not None and st.store.has_grad:
             out.update(st.store.grad_views)
@@ -907,7 +1056,7 @@ class StreamHandle:
         gradient are absent (as ``.grad is None``)."""
         self.synchronize()
         out: dict[str, torch.Tensor] = {}
-        for st in self._layers:
+        for st in self._all.values():
             if st.store is not None and st.store.has_grad:
                 out.update(st.store.grad_views)
         for n, p, _ in self._resident:
@@ -959,7 +1108,7 @@ class StreamHandle:
             self.engine.wait_host_reads(i)  # Note: [Host compute copy is not rewritten while a fetch reads it]
             ls = self.store.layers[i]
             ls.sync()
-            st = self._layers[i]
+            st = self._all[i]
             if st.resident:
                 self.engine.upload(st.slot, ls.compute_bytes)
 
@@ -1001,6 +1150,8 @@ class StreamHandle:
         self._loss_stats = stats
         self._loss_peak = max(self._loss_peak, stats.get("peak_bytes", 0))
         self._account(extra=stats.get("peak_bytes", 0))
+        if self._units:
+            self._head_end(loss)  # Note: [Streamed embeddings and head]
         return loss
 
     # ================================================================== teardown
@@ -1016,7 +1167,7 @@ class StreamHandle:
             h.remove()
         self._hooks.clear()
         with torch.no_grad():
-            for st in self._layers:
+            for st in self._all.values():
                 if st.store is None:
                     continue
                 for e in st.store.entries:
@@ -1107,11 +1258,6 @@ def attach(
                 f"plan.layers[{lp.index}].kind={lp.kind!r} but the model's layer {lp.index} is {k!r}; the plan was "
                 "made for another model. Re-plan for this model (or pass plan=None)."
             )
-    if plan.stream_embeddings:
-        raise ValueError(
-            "plan.stream_embeddings=True: streaming the embeddings / lm_head is not implemented by this executor; "
-            "set stream_embeddings=False (they stay resident on the device)."
-        )
     if pin_memory is not None and not isinstance(pin_memory, bool):
         raise TypeError(f"attach(pin_memory={pin_memory!r}) must be a bool or None.")
     if pin_memory and dev.type != "cuda":
