@@ -39,6 +39,7 @@ logger = logging.get_logger(__name__)
 
 STAGING_PREFIX = ".staging-"
 PLAN_FILE = "lazytrain_plan.json"
+MASTER_FILE = "lazytrain_master.safetensors"
 TIMELINE_FILE = "lazytrain_timeline.png"
 
 
@@ -114,6 +115,7 @@ class LazyTrainer(Trainer):
                 handle, self.stream_handle = self.stream_handle, None
                 handle.remove()
                 raise
+        self._restore_masters(checkpoint, "store")  # Note: [fp32 masters in checkpoints]
         if self.args.world_size > 1:
             self.stream_handle.grad_reducer = self._all_reduce_layer
         # Note: [The executor owns placement] Accelerate must neither move the model to the device nor wrap it in
@@ -179,6 +181,51 @@ class LazyTrainer(Trainer):
                 f"resume_from_checkpoint={resume_from_checkpoint!r} is not a directory; pass a checkpoint-<N> path."
             )
         return str(resume_from_checkpoint)
+
+    def _unsaved_masters(self) -> dict[str, torch.Tensor]:
+        """fp32 masters that the saved weights do not hold exactly (their compute copy is bf16/fp16), by name.
+
+        Note: [fp32 masters in checkpoints] the weights of a checkpoint are the compute copy; resuming from them alone
+        would restart from masters rounded to the compute dtype. Checkpoints therefore carry these masters too.
+        """
+        if self.stream_handle is None:
+            return {}
+        if self._updater is not None:
+            self._updater.wait_all()
+        out: dict[str, torch.Tensor] = {}
+        for ls in self.stream_handle.store.layers.values():
+            if ls.master is not None and not ls.aliased:
+                out.update({n: v.contiguous() for n, v in ls.master_views.items()})
+        if self._updater is not None:
+            for name, p, master in self._updater.resident:
+                if master.data_ptr() != p.data_ptr():
+                    out[name] = master.contiguous()
+        return {n: t.detach().clone() for n, t in out.items()}
+
+    def _restore_masters(self, checkpoint: str | None, where: str) -> None:
+        """Copy the checkpoint's fp32 masters into the host store (`where="store"`, right after attach) or into the
+        optimizer's resident masters (`where="resident"`, when the optimizer is built)."""
+        path = os.path.join(checkpoint, MASTER_FILE) if checkpoint else None
+        if path is None or not os.path.exists(path):
+            return
+        from safetensors.torch import load_file
+
+        saved = load_file(path)
+        targets: dict[str, torch.Tensor] = {}
+        if where == "store":
+            for ls in self.stream_handle.store.layers.values():
+                if ls.master is not None and not ls.aliased:
+                    targets.update(ls.master_views)
+        else:
+            targets = {n: m for n, p, m in self._updater.resident if m.data_ptr() != p.data_ptr()}
+        with torch.no_grad():
+            for name, dst in targets.items():
+                if name not in saved or saved[name].shape != dst.shape:
+                    raise ValueError(
+                        f"checkpoint file {path} has no fp32 master of shape {tuple(dst.shape)} for {name!r}; it was "
+                        "written for another model. Resume from a checkpoint of this model."
+                    )
+                dst.copy_(saved[name])
 
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self.stream_handle is not None and resume_from_checkpoint == self._preloaded_checkpoint:
@@ -451,6 +498,7 @@ class LazyTrainer(Trainer):
         groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         if self.stream_handle is not None:
             self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
+            self._restore_masters(self._preloaded_checkpoint, "resident")
             for name, master in self._updater.named_masters():
                 groups[name in decay].append(master)
         else:
@@ -631,6 +679,11 @@ class LazyTrainer(Trainer):
         if not self.args.should_save:
             return
         staged = os.path.join(staging_root, os.path.basename(final))
+        masters = self._unsaved_masters()
+        if masters:
+            from safetensors.torch import save_file
+
+            save_file(masters, os.path.join(staged, MASTER_FILE))
         _fsync_tree(staged)
         if os.path.exists(final):
             old = final + f".old-{os.getpid()}"

@@ -289,3 +289,34 @@ def test_push_to_hub_uploads_from_host_copy(tmp_path, monkeypatch):
     live = tr.model.state_dict()
     for k, v in uploaded.items():
         assert torch.equal(v, live[k]), k
+
+
+def test_resume_bf16_restores_the_fp32_master(tmp_path):
+    """With a bf16 compute copy the fp32 master is not in the saved weights; checkpoints carry it, so a resumed
+    run continues bit-exactly instead of restarting from weights rounded to bf16."""
+    from transformers import TrainerCallback
+
+    def bf16_trainer(out, **kw):
+        tr = make_trainer(out, max_steps=6, planner_policy="default", learning_rate=1e-2, **kw)
+        tr.model.to(torch.bfloat16)
+        return tr
+
+    full = bf16_trainer(tmp_path / "full")
+    full.train()
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            if state.global_step == 3:
+                control.should_training_stop = True
+
+    run = tmp_path / "interrupted"
+    first = bf16_trainer(run, save_steps=3)
+    first.add_callback(StopAt())
+    first.train()
+    assert (run / "checkpoint-3" / "lazytrain_master.safetensors").exists()
+    second = bf16_trainer(run, save_steps=3)
+    second.train(resume_from_checkpoint=True)
+    assert first.loss_recorder.losses + second.loss_recorder.losses == full.loss_recorder.losses
+    wa, wb = _weights(full.model), _weights(second.model)
+    for k in wa:
+        assert torch.equal(wa[k], wb[k]), k
