@@ -11,7 +11,10 @@ What changes against `transformers.Trainer` (everything else is inherited unchan
   were produced, and the clip coefficient is folded into the optimizer pass (no extra pass over gradients).
   A non-finite norm skips the step (optimizer state untouched, scheduler not stepped), counted and logged.
 - `_save_checkpoint()` / `save_model()`: written to a staging directory, then renamed, so an interrupted save never
-  replaces a good checkpoint with a half-written one; weights come from the host master copy.
+  replaces a good checkpoint with a half-written one; weights are read from the host store (never gathered on the
+  device) and checkpoints also carry the fp32 masters when the compute copy is bf16. Resume restores them and the
+  plan. `training_args.bin` never holds the hub token.
+- `evaluate()` / `predict()` / `streaming()`: inference with the model streamed.
 - `log()`: adds throughput (tokens/s, TFLOPS), peak device memory and predicted vs measured step time.
 """
 
@@ -82,9 +85,8 @@ class LazyTrainer(Trainer):
         self._updater: LayerwiseUpdater | None = None
         self._preloaded_checkpoint: str | None = None
         self._resident_reduced = False
-        self._last_grad_norm: float | None = None
         self._step_t0: float | None = None
-        self._window = {"tokens": 0, "seconds": 0.0, "steps": 0}
+        self._window = {"tokens": 0, "last_step": 0}
 
     # ------------------------------------------------------------------ train()
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
@@ -115,13 +117,13 @@ class LazyTrainer(Trainer):
                 handle, self.stream_handle = self.stream_handle, None
                 handle.remove()
                 raise
-        self._restore_masters(checkpoint, "store")  # Note: [fp32 masters in checkpoints]
-        if self.args.world_size > 1:
-            self.stream_handle.grad_reducer = self._all_reduce_layer
         # Note: [The executor owns placement] Accelerate must neither move the model to the device nor wrap it in
         # DDP: streamed layers live on the host and gradients are all-reduced per layer by the executor.
         self.model._is_accelerate_prepared = True
         try:
+            self._restore_masters(checkpoint, "store")  # Note: [fp32 masters in checkpoints]
+            if self.args.world_size > 1:
+                self.stream_handle.grad_reducer = self._all_reduce_layer
             return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
             with contextlib.suppress(AttributeError):
@@ -589,7 +591,6 @@ class LazyTrainer(Trainer):
         from .optim.clip import clip_coefficient
 
         norm = self._grad_norm_now(model)
-        self._last_grad_norm = norm
         if not math.isfinite(norm):
             self._skip_nonfinite_step(norm)
             return torch.tensor(norm)
@@ -601,7 +602,6 @@ class LazyTrainer(Trainer):
             return super()._get_grad_norm(model, grad_norm)
         if grad_norm is None:  # max_grad_norm == 0: no clipping, but the norm is free (already reduced)
             norm = self._grad_norm_now(model)
-            self._last_grad_norm = norm
             if not math.isfinite(norm):
                 self._skip_nonfinite_step(norm)
             return norm
@@ -644,7 +644,7 @@ class LazyTrainer(Trainer):
         stats = self.stream_handle.memory_stats()
         out["peak_device_bytes"] = int(stats.get("device_peak_bytes", 0))
         self.stream_handle.reset_peak()
-        self._window = {"tokens": 0, "seconds": 0.0, "steps": 0, "last_step": self.state.global_step}
+        self._window = {"tokens": 0, "last_step": self.state.global_step}
         self._step_t0 = now
         return out
 
