@@ -97,7 +97,8 @@ def test_every_help_string_formats():
     """argparse %-formats help strings: a stray '%' breaks `--help`."""
     from transformers import HfArgumentParser
 
-    HfArgumentParser(LazyTrainingArguments).format_help()
+    text = HfArgumentParser(LazyTrainingArguments).format_help()
+    assert "--planner_gpu_budget" in text and "10 percent reserve" in text
 
 
 def test_hf_argument_parser_round_trip():
