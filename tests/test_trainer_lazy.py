@@ -54,6 +54,8 @@ def test_streamed_training_matches_unstreamed(tmp_path, reference, policy, budge
         torch.testing.assert_close(w[k], ref_w[k], rtol=1e-4, atol=1e-6, msg=k)
     # the plan was saved and the logs carry the LazyTrain measurements
     saved = json.load(open(tmp_path / "lazytrain_plan.json"))
+    png = tmp_path / "lazytrain_timeline.png"
+    assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [lp["policy"] for lp in saved["layers"]] == plan.policies
     last = tr.loss_recorder.logs[-1]
     for key in ("tokens_per_s", "tflops", "peak_device_bytes", "grad_norm", "skipped_nonfinite_steps"):
