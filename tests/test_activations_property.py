@@ -54,7 +54,8 @@ def grads(model, ids, engine=None, prefetch=True, seed=3):
     return {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
-def check(model, ids, ref, vector, prefetch, device):
+def check(model, ids, ref, vector, prefetch, device) -> set[str]:
+    """One step under ``vector``; asserts bit-exact gradients and empty tiers; returns the names compared."""
     engine = ActivationEngine(plan_for(model, vector), device, nvme_dir=_SPILL)
     try:
         got = grads(model, ids, engine, prefetch)
@@ -65,6 +66,7 @@ def check(model, ids, ref, vector, prefetch, device):
         engine.close()
     bad = [n for n in ref if not torch.equal(ref[n], got[n])]
     assert not bad, f"{vector} prefetch={prefetch}: {len(bad)} gradients differ, first {bad[:3]}"
+    return set(got)
 
 
 _MODELS: dict[str, tuple] = {}
@@ -84,7 +86,7 @@ def model_and_ref(model_type: str, device: str = "cpu"):
 @given(vector=VECTOR, prefetch=st.booleans())
 def test_any_policy_vector_is_bit_exact_cpu(model_type, vector, prefetch):
     model, ids, ref = model_and_ref(model_type)
-    check(model, ids, ref, vector, prefetch, "cpu")
+    assert check(model, ids, ref, vector, prefetch, "cpu") == set(ref)
 
 
 @pytest.mark.gpu
@@ -98,7 +100,7 @@ def test_any_policy_vector_is_bit_exact_cuda(model_type, vector, prefetch):
         model, ids, ref = model_and_ref(model_type, "cuda")
         again = grads(model, ids)
         assert all(torch.equal(ref[n], again[n]) for n in ref), "plain CUDA autograd is not deterministic here"
-        check(model, ids, ref, vector, prefetch, "cuda")
+        assert check(model, ids, ref, vector, prefetch, "cuda") == set(ref)
     finally:
         torch.use_deterministic_algorithms(False)
 

@@ -36,7 +36,8 @@ def _reference(model_type: str) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return _REF[model_type]
 
 
-def _run(model_type: str, policies: list[tuple[str, str]], nvme_dir: str, depth: int = 1) -> None:
+def _run(model_type: str, policies: list[tuple[str, str]], nvme_dir: str, depth: int = 1) -> set[str]:
+    """Train one step under ``policies``; asserts bit-exact loss and gradients; returns the names compared."""
     ref_loss, ref_g = _reference(model_type)
     model = tiny_model(model_type)
     kinds = models.layer_kinds(model)
@@ -49,28 +50,30 @@ def _run(model_type: str, policies: list[tuple[str, str]], nvme_dir: str, depth:
     st_fwd = handle.memory_stats()
     loss.backward()
     assert torch.equal(loss, ref_loss)
-    assert_grads_equal(ref_g, handle.grads())
+    got = handle.grads()
+    assert_grads_equal(ref_g, got)
     if any(p == "offload_cpu" for p, _ in policies):
         assert st_fwd["activation_cpu_bytes"] > 0
     if any(p == "offload_nvme" for p, _ in policies):
         assert st_fwd["activation_nvme_bytes"] > 0 or handle.activations.memory_stats()["nvme_peak_bytes"] > 0
     handle.remove()
+    return set(got)
 
 
 @pytest.mark.parametrize("model_type", ["qwen3_moe", "qwen3_next"])  # qwen3: random vectors below
 def test_every_policy_bit_exact(model_type, tmp_path):
     pols = [("offload_cpu", "gpu"), ("recompute", "cpu"), ("offload_nvme", "gpu"), ("recompute", "gpu")]
-    _run(model_type, pols, str(tmp_path))
+    assert _run(model_type, pols, str(tmp_path)) == set(_reference(model_type)[1])
 
 
 def test_recompute_everything_depth2(tmp_path):
-    _run("qwen3", [("recompute", "gpu")] * 4, str(tmp_path), depth=2)
+    assert _run("qwen3", [("recompute", "gpu")] * 4, str(tmp_path), depth=2) == set(_reference("qwen3")[1])
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(policies=st.lists(POLICY, min_size=4, max_size=4), model_type=st.sampled_from(["qwen3", "qwen3_moe"]))
 def test_random_policy_vectors_bit_exact(policies, model_type, tmp_path):
-    _run(model_type, policies, str(tmp_path))
+    assert _run(model_type, policies, str(tmp_path)) == set(_reference(model_type)[1])
 
 
 def test_offload_lowers_device_activations():
