@@ -51,7 +51,34 @@ def tiny_model(model_type: str = "qwen3", seed: int = 0, **overrides):
     return AutoModelForCausalLM.from_config(cfg)
 
 
-@pytest.fixture
-def hf_home(tmp_path, monkeypatch):
-    monkeypatch.setenv("HF_HOME", str(tmp_path / "hf_home"))
-    return tmp_path / "hf_home"
+RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "qwen_metamath.py")
+
+
+def load_recipe():
+    """The recipe module, loaded by path (recipes/ is not a package)."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("qwen_metamath_recipe", RECIPE)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def evaluate_cache(tmp_path_factory):
+    """evaluate copies the metric module under HF_HOME (paths read at import): use a temp dir for this run."""
+    import evaluate.config as cfg
+
+    home = tmp_path_factory.getbasetemp() / "hf_home"
+    mp = pytest.MonkeyPatch()
+    mp.setenv("HF_HOME", str(home))
+    for name, sub in (
+        ("HF_MODULES_CACHE", "modules"),
+        ("HF_METRICS_CACHE", "metrics"),
+        ("HF_EVALUATE_CACHE", "evaluate"),
+    ):
+        mp.setattr(cfg, name, home / sub)
+    yield home
+    mp.undo()

@@ -10,13 +10,11 @@ Measured on the 2-core development machine (2026-11-29, recipe defaults, lr 1e-3
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import os
 
 import pytest
+from conftest import load_recipe
 
-RECIPE = os.path.join(os.path.dirname(os.path.dirname(__file__)), "recipes", "qwen_metamath.py")
 # 72 MiB is between the smallest budget any plan fits (68 MiB at batch 32) and keep-all's peak (182 MiB).
 BUDGET = "72MiB"
 # Loss curves (after the first 10% of training): per logged step within 20%, mean gap within 6%, final loss within
@@ -25,32 +23,26 @@ LOSS_RTOL_POINT, LOSS_RTOL_MEAN, LOSS_RTOL_FINAL = 0.20, 0.06, 0.05
 EM_POINTS = 0.02  # exact match within 2 points
 
 
-def _recipe():
-    import sys
-
-    spec = importlib.util.spec_from_file_location("qwen_metamath_recipe", RECIPE)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(mod)
-    return mod
-
-
 @pytest.mark.slow
-def test_lazytrain_converges_like_trainer(tmp_path, hf_home):
-    recipe = _recipe()
+def test_lazytrain_converges_like_trainer(tmp_path, evaluate_cache):
+    recipe = load_recipe()
     common = ["--logging_steps", "10", "--save_strategy", "no", "--max_steps", "800", "--num_eval_samples", "600"]
-    lazy = recipe.main(["--output_dir", str(tmp_path / "lazy"), "--planner_policy", "milp",
-                        "--planner_gpu_budget", BUDGET, *common])
-    ref = recipe.main(["--output_dir", str(tmp_path / "ref"), "--stream_enabled", "False", "--optim", "adamw_torch",
-                       *common])
+    lazy = recipe.main(
+        ["--output_dir", str(tmp_path / "lazy"), "--planner_policy", "milp", "--planner_gpu_budget", BUDGET, *common]
+    )
+    ref = recipe.main(
+        ["--output_dir", str(tmp_path / "ref"), "--stream_enabled", "False", "--optim", "adamw_torch", *common]
+    )
     plan = json.load(open(tmp_path / "lazy" / "lazytrain_plan.json"))
     assert {lp["policy"] for lp in plan["layers"]} - {"keep"}, plan  # the budget forces recompute / offload
     a, b = lazy["train_losses"], ref["train_losses"]
     assert len(a) == len(b) == 80
     start = len(a) // 10
     gaps = [abs(x - y) / y for x, y in zip(a[start:], b[start:])]
-    print(f"loss gap: max {max(gaps):.3%}, mean {sum(gaps) / len(gaps):.3%}, final {a[-1]:.4f} vs {b[-1]:.4f}; "
-          f"EM lazy {lazy['exact_match_after']:.2%} vs trainer {ref['exact_match_after']:.2%}")
+    print(
+        f"loss gap: max {max(gaps):.3%}, mean {sum(gaps) / len(gaps):.3%}, final {a[-1]:.4f} vs {b[-1]:.4f}; "
+        f"EM lazy {lazy['exact_match_after']:.2%} vs trainer {ref['exact_match_after']:.2%}"
+    )
     assert max(gaps) <= LOSS_RTOL_POINT, list(zip(a, b))
     assert sum(gaps) / len(gaps) <= LOSS_RTOL_MEAN, list(zip(a, b))
     assert abs(a[-1] - b[-1]) <= LOSS_RTOL_FINAL * b[-1]

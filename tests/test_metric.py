@@ -11,23 +11,7 @@ import torch
 from lazytrain_hf.data import build_embedded_tokenizer, encode_prompt, load_splits
 from lazytrain_hf.metrics import EXACT_MATCH_PATH, evaluate_exact_match, generate_responses, load_exact_match
 
-
-@pytest.fixture(scope="module", autouse=True)
-def evaluate_cache(tmp_path_factory):
-    """evaluate copies the module under HF_HOME (paths read at import): point them at a temp dir for this run."""
-    import evaluate.config as cfg
-
-    home = tmp_path_factory.getbasetemp() / "hf_home"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HOME", str(home))
-    for name, sub in (
-        ("HF_MODULES_CACHE", "modules"),
-        ("HF_METRICS_CACHE", "metrics"),
-        ("HF_EVALUATE_CACHE", "evaluate"),
-    ):
-        mp.setattr(cfg, name, home / sub)
-    yield home
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("evaluate_cache")
 
 
 @pytest.fixture(scope="module")

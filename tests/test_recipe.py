@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
@@ -13,41 +12,18 @@ from pathlib import Path
 
 import pytest
 import yaml
+from conftest import load_recipe
+
+pytestmark = pytest.mark.usefixtures("evaluate_cache")
 
 ROOT = Path(__file__).resolve().parents[1]
 RECIPE = ROOT / "recipes" / "qwen_metamath.py"
 CONFIGS = sorted((ROOT / "accelerate_configs").glob("*.yaml"))
 
 
-def _load_recipe():
-    spec = importlib.util.spec_from_file_location("qwen_metamath_recipe", RECIPE)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def recipe():
-    return _load_recipe()
-
-
-@pytest.fixture(scope="module", autouse=True)
-def evaluate_cache(tmp_path_factory):
-    """evaluate copies the metric module under HF_HOME (paths read at import): use a temp dir for this run."""
-    import evaluate.config as cfg
-
-    home = tmp_path_factory.getbasetemp() / "hf_home"
-    mp = pytest.MonkeyPatch()
-    mp.setenv("HF_HOME", str(home))
-    for name, sub in (
-        ("HF_MODULES_CACHE", "modules"),
-        ("HF_METRICS_CACHE", "metrics"),
-        ("HF_EVALUATE_CACHE", "evaluate"),
-    ):
-        mp.setattr(cfg, name, home / sub)
-    yield home
-    mp.undo()
+    return load_recipe()
 
 
 # ------------------------------------------------------------------------------------------------ configs
