@@ -124,6 +124,19 @@ class Evaluation:
         }
 
 
+def _optimizer_finish_times(cm: CostModel) -> tuple[float, list[float], float]:
+    """When the CPU optimizer finishes, measured from the end of backward: the embedding (after the last gradients
+    came down), each layer in order, then the head. Shared by `evaluate_plan` and the MILP's tail constraints."""
+    L = cm.num_layers
+    t_d2h = ((cm.layers[0].grad_bytes if L else 0) + cm.embed_grad_bytes) / cm.d2h
+    c_emb = t_d2h + cm.embed_optimizer_s
+    c, acc = [], c_emb
+    for lc in cm.layers:
+        acc += lc.optimizer_s
+        c.append(acc)
+    return c_emb, c, acc + cm.head_optimizer_s
+
+
 def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     """Step time, memory per stage and predictions of ``plan`` under the stage model (see module docstring)."""
     L = cm.num_layers
@@ -240,14 +253,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     fixed = cm.fixed_device_bytes
     stage_times = [max(od[s] / Bh + comp[s], h2d[s] / Bh, d2h[s] / Bd, nvr[s] / Bnr + nvw[s] / Bnw) for s in range(S)]
     # ---- tail: last gradients down, optimizer in layer order, embedding (+ pre-step fetches) up
-    t_d2h = ((cm.layers[0].grad_bytes if L else 0) + cm.embed_grad_bytes) / Bd
-    c_emb = t_d2h + cm.embed_optimizer_s
-    c = []
-    acc = c_emb
-    for lc in cm.layers:
-        acc += lc.optimizer_s
-        c.append(acc)
-    c_all = acc + cm.head_optimizer_s
+    c_emb, c, c_all = _optimizer_finish_times(cm)
     prefix = [0.0]
     for t in stage_times:
         prefix.append(prefix[-1] + t)
@@ -647,14 +653,7 @@ def _build(
             prob += T[s] >= expr(nvr[s], 1 / Bnr) + expr(nvw[s], 1 / Bnw), f"nvme_lane_{s}"
 
     # ------------------------------------------------------------------ [Constraint] tail: optimizer and uploads
-    t_d2h = ((cm.layers[0].grad_bytes if L else 0) + cm.embed_grad_bytes) / Bd
-    c_emb = t_d2h + cm.embed_optimizer_s
-    c = []
-    acc = c_emb
-    for lc in cm.layers:
-        acc += lc.optimizer_s
-        c.append(acc)
-    c_all = acc + cm.head_optimizer_s
+    c_emb, c, c_all = _optimizer_finish_times(cm)
     emb_up = c_emb + cm.embed_bytes / Bh
     prob += T_tail >= emb_up, "tail_embedding_upload"
     if L:

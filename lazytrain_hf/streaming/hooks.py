@@ -203,22 +203,9 @@ def _default_activation_engine_cls() -> type:
     return KeepAllActivations
 
 
-class _OutputBoundary(torch.autograd.Function):
-    """Identity on a layer output; its backward is the start of stage ``B i``."""
-
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, fire: Callable[[], None]) -> torch.Tensor:
-        ctx.fire = fire
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        ctx.fire()
-        return grad, None
-
-
-class _InputBoundary(torch.autograd.Function):
-    """Identity on a layer input; its backward means every gradient through the layer has been computed."""
+class _Boundary(torch.autograd.Function):
+    """Identity whose backward calls ``fire``. On a layer output its backward is the start of stage ``B i``; on a
+    layer input it means every gradient through the layer has been computed."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, fire: Callable[[], None]) -> torch.Tensor:
@@ -719,7 +706,7 @@ class StreamHandle:
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 step = self._step_id
                 st.input_rg = True
-                x = _InputBoundary.apply(x, lambda: self._on_input_grad(step, key))
+                x = _Boundary.apply(x, lambda: self._on_input_grad(step, key))
                 self._boundary_nodes.add(x.grad_fn)
                 if args and isinstance(args[0], torch.Tensor):
                     args = (x, *args[1:])
@@ -772,7 +759,7 @@ class StreamHandle:
                 x = kwargs.get("hidden_states")
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 st.input_rg = True
-                x = _InputBoundary.apply(x, lambda: self._on_input_grad(step, i))
+                x = _Boundary.apply(x, lambda: self._on_input_grad(step, i))
                 self._boundary_nodes.add(x.grad_fn)
                 if args and isinstance(args[0], torch.Tensor):
                     args = (x, *args[1:])
@@ -796,7 +783,7 @@ class StreamHandle:
             needs_bwd = True
             st.expected = self._expected_params(h.grad_fn, st)
             step = self._step_id
-            h = _OutputBoundary.apply(h, lambda: self._on_backward_stage(step, i))
+            h = _Boundary.apply(h, lambda: self._on_backward_stage(step, i))
             self._boundary_nodes.add(h.grad_fn)
             output = h if isinstance(output, torch.Tensor) else (h, *output[1:])
         else:
