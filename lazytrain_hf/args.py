@@ -166,12 +166,20 @@ class LazyTrainingArguments(TrainingArguments):
         if self.activation_nvme_dir is not None:
             self.activation_nvme_dir = os.path.abspath(os.path.expanduser(self.activation_nvme_dir))
 
-        if self.optim_block_size < 16 or self.optim_block_size & (self.optim_block_size - 1):
+        # the optimizer's own limits (HybridAdamW8bit checks the same), so a bad value fails here, not at step 1
+        if not 16 <= self.optim_block_size <= 4096 or self.optim_block_size & (self.optim_block_size - 1):
             raise ValueError(
-                f"optim_block_size={self.optim_block_size} must be a power of two >= 16 (256 is the usual choice)."
+                f"optim_block_size={self.optim_block_size} must be a power of two in [16, 4096] (256 is the usual "
+                "choice)."
             )
-        if self.optim_min_8bit_size < 0:
-            raise ValueError(f"optim_min_8bit_size={self.optim_min_8bit_size} must be >= 0 (4096 by default).")
+        if self.optim_min_8bit_size < 1:
+            raise ValueError(f"optim_min_8bit_size={self.optim_min_8bit_size} must be >= 1 (4096 by default).")
+        if self.stream_enabled and self.optim_hybrid_8bit is False:
+            raise ValueError(
+                "optim_hybrid_8bit=False with stream_enabled=True: the streamed model is updated layer by layer by "
+                "HybridAdamW8bit over the host fp32 masters; leave optim_hybrid_8bit on, or set stream_enabled=False "
+                "to train with another optimizer."
+            )
 
         # ---- derived defaults
         if self.optim_hybrid_8bit is None:

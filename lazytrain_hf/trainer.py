@@ -94,6 +94,13 @@ class LazyTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         from .streaming import attach
 
+        if self.optimizer is not None:
+            raise ValueError(
+                "LazyTrainer(optimizers=...) with stream_enabled=True: the streamed model is updated by the "
+                "HybridAdamW8bit that train() builds over the host fp32 masters, so a given optimizer would never "
+                "update the streamed layers. Drop `optimizers` (tune it with the optim_* arguments) or set "
+                "stream_enabled=False."
+            )
         checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
         plan = None
         if checkpoint is not None:
@@ -132,6 +139,9 @@ class LazyTrainer(Trainer):
             if self._updater is not None:
                 self._updater.close()
                 self._updater = None
+                # its parameters are views of the host store removed below; the next train() builds a new one
+                # (resume_from_checkpoint restores the state)
+                self.optimizer = None
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
 
@@ -490,8 +500,7 @@ class LazyTrainer(Trainer):
     def create_optimizer(self, model=None):
         """`HybridAdamW8bit` (or, with `optim_hybrid_8bit=False` while streaming, torch AdamW) over the host fp32
         master weights when streaming, over the model's parameters otherwise; Trainer's decay / no-decay groups."""
-        use_lazy = self.args.optim_hybrid_8bit or self.stream_handle is not None
-        if not use_lazy:
+        if not self.args.optim_hybrid_8bit:  # streaming implies it (LazyTrainingArguments)
             return super().create_optimizer(model)
         if self.optimizer is not None:
             return self.optimizer
@@ -512,20 +521,16 @@ class LazyTrainer(Trainer):
             {"params": groups[False], "weight_decay": 0.0},
         ]
         param_groups = [g for g in param_groups if g["params"]]
-        betas = (self.args.adam_beta1, self.args.adam_beta2)
-        if self.args.optim_hybrid_8bit:
-            from .optim import HybridAdamW8bit
+        from .optim import HybridAdamW8bit
 
-            opt = HybridAdamW8bit(
-                param_groups,
-                lr=self.args.learning_rate,
-                betas=betas,
-                eps=self.args.adam_epsilon,
-                block_size=self.args.optim_block_size,
-                min_8bit_size=self.args.optim_min_8bit_size,
-            )
-        else:
-            opt = torch.optim.AdamW(param_groups, lr=self.args.learning_rate, betas=betas, eps=self.args.adam_epsilon)
+        opt = HybridAdamW8bit(
+            param_groups,
+            lr=self.args.learning_rate,
+            betas=(self.args.adam_beta1, self.args.adam_beta2),
+            eps=self.args.adam_epsilon,
+            block_size=self.args.optim_block_size,
+            min_8bit_size=self.args.optim_min_8bit_size,
+        )
         if self.stream_handle is not None:
             self._updater.bind(opt)
         self._wrap_optimizer_step(opt)
@@ -545,7 +550,6 @@ class LazyTrainer(Trainer):
         clip coefficient computed from the per-layer norms is passed into the fused pass here.
         """
         inner_step = opt.step
-        fused = not isinstance(opt, torch.optim.AdamW)  # HybridAdamW8bit folds clip_coef into its pass
 
         def step(closure=None):
             coef, self._clip_coef = self._clip_coef, None
@@ -559,13 +563,7 @@ class LazyTrainer(Trainer):
                     return None
                 if coef is None or coef >= 1.0:
                     return inner_step(closure)
-                if fused:
-                    return inner_step(closure, clip_coef=coef)
-                for group in opt.param_groups:  # plain AdamW: one scaling pass, as torch's clip_grad_norm_
-                    for p in group["params"]:
-                        if p.grad is not None:
-                            p.grad.mul_(coef)
-                return inner_step(closure)
+                return inner_step(closure, clip_coef=coef)  # folded into the fused pass
             finally:
                 self._skip_step = False
                 self._resident_reduced = False
@@ -575,7 +573,7 @@ class LazyTrainer(Trainer):
         opt.step = step
 
     def _uses_default_optimizer(self) -> bool:
-        return not (self.args.optim_hybrid_8bit or self.stream_handle is not None)
+        return not self.args.optim_hybrid_8bit
 
     def _grad_norm_now(self, model) -> float:
         self._reduce_resident_grads()
@@ -810,10 +808,7 @@ class LayerwiseUpdater:
             if p.grad is None:
                 continue
             gi, k = self._where[id(p)]
-            if hasattr(opt, "_update"):  # HybridAdamW8bit: one fused pass per tensor, clip folded in
-                opt._update(p, frozen[gi], k, 1.0 if clip is None else float(clip), None)
-            else:
-                raise TypeError(f"{type(opt).__name__} cannot update layer by layer; use HybridAdamW8bit.")
+            opt._update(p, frozen[gi], k, 1.0 if clip is None else float(clip), None)  # one fused pass per tensor
 
     def _work(self, frozen, resident, layers, clip) -> None:
         try:

@@ -153,3 +153,20 @@ def test_nvme_dir_not_writable_is_named(tmp_path, monkeypatch):
     assert str(nvme) in str(e.value)
     assert tr.stream_handle is None and not tr.model.model.layers[0]._forward_pre_hooks
     assert all(torch.equal(before[k], v) for k, v in _weights(tr.model).items())
+
+
+def test_given_optimizer_refused_when_streaming(tmp_path):
+    """A user optimizer would never update the streamed layers (they are updated through the host masters)."""
+    tr = make_trainer(tmp_path, max_steps=1, planner_policy="default")
+    tr.optimizer = torch.optim.SGD(tr.model.parameters(), lr=0.1)
+    with pytest.raises(ValueError, match="optimizers=.*stream_enabled=False"):
+        tr.train()
+    assert tr.stream_handle is None and not tr.model.model.layers[0]._forward_pre_hooks
+
+
+def test_train_twice_builds_a_fresh_optimizer(tmp_path):
+    tr = make_trainer(tmp_path, max_steps=2, planner_policy="default")
+    tr.train()
+    assert tr.optimizer is None  # it pointed into the host store that train() removed
+    tr.train()
+    assert len(tr.loss_recorder.losses) == 4
