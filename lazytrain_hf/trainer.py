@@ -87,6 +87,7 @@ class LazyTrainer(Trainer):
         self._resident_reduced = False
         self._step_t0: float | None = None
         self._window = {"tokens": 0, "last_step": 0}
+        self._n_params: int | None = None
 
     # ------------------------------------------------------------------ train()
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
@@ -490,7 +491,8 @@ class LazyTrainer(Trainer):
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")
-        self._window["tokens"] += int(mask.sum()) if mask is not None else int(inputs["input_ids"].numel())
+        # a device tensor (no host sync per micro-batch); read once per log in `_throughput_logs`
+        self._window["tokens"] += mask.sum() if mask is not None else inputs["input_ids"].numel()
         loss = self.stream_handle.causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
@@ -627,11 +629,13 @@ class LazyTrainer(Trainer):
     def _throughput_logs(self) -> dict[str, float]:
         out: dict[str, float] = {}
         now = time.perf_counter()
-        if self._step_t0 is not None and self._window["tokens"]:
+        tokens = int(self._window["tokens"])
+        if self._step_t0 is not None and tokens:
             secs = now - self._step_t0
-            steps = max(1, self.state.global_step - self._window.get("last_step", 0))
-            tokens = self._window["tokens"]
-            n_params = sum(p.numel() for p in self.model.parameters())
+            steps = max(1, self.state.global_step - self._window["last_step"])
+            if self._n_params is None:
+                self._n_params = sum(p.numel() for p in self.model.parameters())
+            n_params = self._n_params
             out["tokens_per_s"] = tokens / secs
             # 6 * N * tokens (forward + backward), as `Trainer.floating_point_ops`; recompute not counted as useful
             out["tflops"] = 6 * n_params * tokens / secs / 1e12

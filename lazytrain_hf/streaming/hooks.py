@@ -595,6 +595,7 @@ class StreamHandle:
 
     def _abort_step(self) -> None:
         """End a step that will get no backward (eval forward, exception, discarded graph)."""
+        self._deferred.clear()  # first: releasing a slot below must not issue fetches for a step that is over
         for st in self._all.values():
             if st.in_engine:
                 st.in_engine = False
@@ -602,7 +603,6 @@ class StreamHandle:
             if not st.completed:
                 self._drop_device_grads(st)
             self._release(st.index)
-        self._deferred.clear()
         self._boundary_nodes.clear()
         self.activations.end_step()
         self._phase = "idle"
@@ -935,11 +935,11 @@ class StreamHandle:
             fn(i, grads)
 
     def _on_backward_end(self) -> None:
+        self._deferred.clear()  # first: releasing a slot below must not issue fetches for a step that is over
         for st in self._all.values():
             if st.expected is not None and not st.completed:
                 self._complete(st.index)
             self._release(st.index)
-        self._deferred.clear()
         self._boundary_nodes.clear()
         self.activations.end_step()
         self._phase = "idle"
