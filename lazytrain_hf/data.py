@@ -31,7 +31,6 @@ if TYPE_CHECKING:  # pragma: no cover
     from transformers import PreTrainedTokenizerBase
 
 EMBEDDED = "embedded"
-METAMATHQA = "meta-math/MetaMathQA"
 REQUIRED_FIELDS = ("query", "response")
 ANSWER_PREFIX = "The answer is: "
 IGNORE_INDEX = -100

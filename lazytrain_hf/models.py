@@ -60,9 +60,7 @@ MODEL_TABLE: dict[str, ModelSpec] = {
     "qwen3_moe": ModelSpec("qwen3_moe", _sparse_by_step),
     "qwen3_next": ModelSpec("qwen3_next", _sparse_by_step, has_linear_attention=True, has_shared_expert=True),
     "qwen3_5_text": ModelSpec("qwen3_5_text", _never_moe, has_linear_attention=True),
-    "qwen3_5_moe_text": ModelSpec(
-        "qwen3_5_moe_text", _always_moe, has_linear_attention=True, has_shared_expert=True
-    ),
+    "qwen3_5_moe_text": ModelSpec("qwen3_5_moe_text", _always_moe, has_linear_attention=True, has_shared_expert=True),
 }
 
 
@@ -107,10 +105,6 @@ def layer_kinds(config: Any) -> list[str]:
     config = getattr(config, "config", config)
     spec = get_spec(config)
     return [a + ("+moe" if spec.is_moe(config, i) else "") for i, a in enumerate(attention_kinds(config))]
-
-
-def get_submodule(model: nn.Module, path: str) -> nn.Module:
-    return model.get_submodule(path)
 
 
 def decoder_layers(model: nn.Module) -> nn.ModuleList:

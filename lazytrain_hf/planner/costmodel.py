@@ -324,16 +324,6 @@ class LayerCost:
     def recompute_s(self) -> float:
         return self.fwd_s
 
-    def device_saved_bytes(self, policy: str) -> int:
-        """Bytes held on the device between forward and backward under ``policy``."""
-        if policy == "keep":
-            return self.saved_bytes
-        if policy == "recompute":
-            return self.input_bytes
-        if policy in ("offload_cpu", "offload_nvme"):
-            return 0
-        raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
-
 
 @dataclass
 class CostModel:

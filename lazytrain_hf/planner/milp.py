@@ -1224,9 +1224,3 @@ def milp_feasible(
         return True
     need = min_gpu_budget(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
     return need is not None and need <= gpu_budget
-
-
-def describe_solver(plan: Plan) -> str:
-    s = plan.solver or {}
-    g = s.get("gap")
-    return f"{s.get('name', '?')} {s.get('status', '?')} in {s.get('seconds', math.nan):.2f} s, gap {g if g is not None else '-'}"

@@ -146,9 +146,6 @@ class TransferEngine:
             slot.buffer.record_stream(self.h2d_stream)
         return slot
 
-    def free_slots(self, kind: str) -> int:
-        return len(self._free.get(kind, ()))
-
     def acquire(self, kind: str, urgent: bool) -> Slot | None:
         """A free slot of ``kind``; ``None`` when the pool is exhausted and the fetch is a prefetch (it is retried
         at the next stage). An urgent fetch (the layer is needed now) grows the pool by one slot with a warning,
