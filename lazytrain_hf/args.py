@@ -86,7 +86,10 @@ class LazyTrainingArguments(TrainingArguments):
         },
     )
     planner_gpu_budget: int | str | None = field(
-        default=None, metadata={"help": "Device memory the plan may use, e.g. '70GiB' (default: the profile's memory minus a 10 percent reserve)."}
+        default=None,
+        metadata={
+            "help": "Device memory the plan may use, e.g. '70GiB' (default: the profile's memory minus a 10 percent reserve)."
+        },
     )
     planner_host_budget: int | str | None = field(
         default=None, metadata={"help": "Pinned host memory for offloaded activations, e.g. '64GiB'."}
@@ -119,8 +122,10 @@ class LazyTrainingArguments(TrainingArguments):
     optim_min_8bit_size: int = field(default=4096, metadata={"help": "Tensors smaller than this keep fp32 moments."})
     optim_overlap_forward: bool | None = field(
         default=None,
-        metadata={"help": "Run the layer-wise optimizer step on a background thread overlapping the next forward "
-                  "(default: on with CUDA when the plan allows it)."},
+        metadata={
+            "help": "Run the layer-wise optimizer step on a background thread overlapping the next forward "
+            "(default: on with CUDA when the plan allows it)."
+        },
     )
 
     def __post_init__(self):

@@ -164,8 +164,9 @@ class LazyTrainer(Trainer):
         per_seq = pinned / max(1, plan.micro_batch_size)
         fits = int((available - fixed) // per_seq) if per_seq and available > fixed else 0
         hint = (
-            f"per_device_train_batch_size <= {fits} fits" if fits >= 1 else
-            f"even batch 1 does not fit: the model itself needs {format_bytes(fixed)} ({n_all} parameters); "
+            f"per_device_train_batch_size <= {fits} fits"
+            if fits >= 1
+            else f"even batch 1 does not fit: the model itself needs {format_bytes(fixed)} ({n_all} parameters); "
             "train LoRA adapters (frozen weights need no gradients or optimizer state) or use a larger machine"
         )
         raise ValueError(
@@ -774,7 +775,9 @@ class LayerwiseUpdater:
 
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
-        self._where = {id(p): (gi, k) for gi, g in enumerate(optimizer.param_groups) for k, p in enumerate(g["params"])}
+        self._where = {
+            id(p): (gi, k) for gi, g in enumerate(optimizer.param_groups) for k, p in enumerate(g["params"])
+        }
 
     # ------------------------------------------------------------------ running
     def run(self, clip_coef: float | None) -> None:
