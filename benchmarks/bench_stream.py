@@ -129,7 +129,7 @@ def gpu_section(reps: int, bsz: int, seq: int) -> None:
     dev = torch.device("cuda", torch.cuda.current_device())
     model = build()
     layer_bytes = sum(p.numel() * 4 for p in model.model.layers[0].parameters())
-    n = 64 * layer_bytes // 64  # one layer
+    n = layer_bytes  # one layer
     src = torch.empty(n, dtype=torch.uint8, pin_memory=True).random_()
     dst = torch.empty(n, dtype=torch.uint8, device=dev)
     sync = torch.cuda.synchronize

@@ -4,25 +4,10 @@ from __future__ import annotations
 
 import torch
 from conftest import tiny_model
-from datasets import Dataset
-from transformers import Trainer, TrainerCallback, TrainingArguments
+from trainer_fixtures import LossRecorder, token_dataset
+from transformers import Trainer, TrainingArguments
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
-
-
-class LossRecorder(TrainerCallback):
-    def __init__(self):
-        self.losses = []
-
-    def on_log(self, args, state, control, logs=None, **kw):
-        if logs and "loss" in logs:
-            self.losses.append(logs["loss"])
-
-
-def _dataset(n=16, T=12, vocab=128, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(0, vocab, (n, T), generator=g)
-    return Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
 
 
 def _run(trainer_cls, args_cls, tmp_path, **extra):
@@ -32,7 +17,7 @@ def _run(trainer_cls, args_cls, tmp_path, **extra):
         report_to=[], seed=3, use_cpu=True, save_strategy="no", data_seed=3, **extra,
     )
     rec = LossRecorder()
-    trainer = trainer_cls(model=model, args=args, train_dataset=_dataset(), callbacks=[rec])
+    trainer = trainer_cls(model=model, args=args, train_dataset=token_dataset(), callbacks=[rec])
     trainer.train()
     return rec.losses, {k: v.detach().clone() for k, v in model.state_dict().items()}
 
@@ -48,6 +33,6 @@ def test_streaming_off_matches_trainer(tmp_path):
 
 def test_plain_training_arguments_upgraded(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, learning_rate=5e-4)
-    trainer = LazyTrainer(model=tiny_model("qwen3"), args=args, train_dataset=_dataset(4))
+    trainer = LazyTrainer(model=tiny_model("qwen3"), args=args, train_dataset=token_dataset(4))
     assert isinstance(trainer.args, LazyTrainingArguments)
     assert trainer.args.learning_rate == 5e-4

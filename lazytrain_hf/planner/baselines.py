@@ -15,7 +15,7 @@ activation policy; ``megatrain`` is the matched layer-streaming baseline of the 
 from __future__ import annotations
 
 from .costmodel import CostModel
-from .milp import Evaluation, evaluate_plan
+from .milp import _fits, evaluate_plan
 from .plan import LayerPlan, Plan
 
 BASELINES: tuple[str, ...] = ("megatrain", "all_recompute", "keep_all", "cpu_offload_inputs")
@@ -63,8 +63,7 @@ def make_baseline(name: str, cost_model: CostModel, *, checkpoint_every: int = M
 
 def fits(plan: Plan, cost_model: CostModel, gpu_budget: int, host_budget: int, nvme_budget: int = 0) -> bool:
     """Whether ``plan`` fits the budgets under the stage model's memory accounting (the MILP's own test)."""
-    ev: Evaluation = evaluate_plan(plan, cost_model)
-    return ev.peak_gpu_bytes <= gpu_budget and ev.pinned_host_bytes <= host_budget and ev.nvme_bytes <= nvme_budget
+    return _fits(evaluate_plan(plan, cost_model), gpu_budget, host_budget, nvme_budget)
 
 
 def max_batch_size(name: str, cost_model: CostModel, gpu_budget: int, host_budget: int, max_batch: int = 256) -> int:

@@ -207,10 +207,7 @@ def as_hf_config(config: Any, **overrides: Any) -> Any:
     """The transformers config for ``config`` (a `ZooConfig` is converted; an HF config is copied with overrides)."""
     from transformers import AutoConfig
 
-    if isinstance(config, ZooConfig):
-        data = config.to_dict()
-    else:
-        data = config.to_dict()
+    data = config.to_dict()  # ZooConfig and HF configs alike
     data.update(overrides)
     model_type = data.pop("model_type")
     data.pop("transformers_version", None)
