@@ -389,44 +389,11 @@ def calibrated_profile(base, fwd: list[float], bwd: list[float], cm) -> tuple[An
 
 # ---------------------------------------------------------------------------------------------------- section 4
 def measure_layer_times(model, device, batch, passes: int) -> tuple[list[float], list[float]]:
-    """Median forward / backward seconds per decoder layer over ``passes`` forward+backward passes of the streamed
-    model (default plan; executor costs included), the first pass dropped, as `LazyTrainer.measure_layer_times`."""
-    from lazytrain_hf import models
-    from lazytrain_hf.streaming import attach
+    """Per-layer forward / backward seconds of the streamed model, as the trainer's timed warm-up measures them
+    (at least 2 passes: the first is dropped)."""
+    from lazytrain_hf.trainer import time_streamed_layers
 
-    layers = models.decoder_layers(model)
-    L = len(layers)
-    fwd: list[list[float]] = [[] for _ in range(L)]
-    bwd: list[list[float]] = [[] for _ in range(L)]
-    t_start: dict[tuple[str, int], float] = {}
-
-    def clock() -> float:
-        sync(device)
-        return time.perf_counter()
-
-    hooks = []
-    for i, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: t_start.__setitem__(("f", i), clock())))
-        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd[i].append(clock() - t_start["f", i])))
-        hooks.append(layer.register_full_backward_pre_hook(lambda m, g, i=i: t_start.__setitem__(("b", i), clock())))
-        hooks.append(
-            layer.register_full_backward_hook(lambda m, gi, go, i=i: bwd[i].append(clock() - t_start["b", i]))
-        )
-    handle = attach(model, plan=None, device=device)
-    try:
-        for _ in range(max(2, passes)):
-            handle.causal_lm_loss(model, dict(batch)).backward()
-            handle.zero_grad()
-    finally:
-        handle.remove()
-        for h in hooks:
-            h.remove()
-        model.zero_grad(set_to_none=True)
-
-    def med(xs: list[float]) -> float:
-        return statistics.median(xs[1:] if len(xs) > 1 else xs)
-
-    return [med(x) for x in fwd], [med(x) for x in bwd]
+    return time_streamed_layers(model, batch, device, max(2, passes))
 
 
 def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: str | None) -> dict[str, Any]:

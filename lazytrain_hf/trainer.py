@@ -322,57 +322,17 @@ class LazyTrainer(Trainer):
         return self._prepare_inputs(batch)
 
     def measure_layer_times(self, batch: dict[str, torch.Tensor], steps: int) -> tuple[list[float], list[float]]:
-        """Median forward and backward seconds per decoder layer over `steps` timed forward+backward passes.
-
-        Runs with the default streaming plan (the executor's own costs included), restores every RNG state and
-        leaves parameters and gradients as they were: warm-up never changes training.
+        """Median forward and backward seconds per decoder layer over `steps` timed forward+backward passes
+        (`time_streamed_layers`), restoring every RNG state and the train/eval mode: warm-up never changes training.
         """
-        from .streaming import attach
-
-        base = _unwrap_base(self.model)
-        layers = models.decoder_layers(base)
-        L = len(layers)
-        fwd: list[list[float]] = [[] for _ in range(L)]
-        bwd: list[list[float]] = [[] for _ in range(L)]
-        t_start: dict[tuple[str, int], float] = {}
-        sync = torch.cuda.synchronize if self.args.device.type == "cuda" else (lambda: None)
-
-        def clock() -> float:
-            sync()
-            return time.perf_counter()
-
-        hooks = []
-        for i, layer in enumerate(layers):
-            hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: t_start.__setitem__(("f", i), clock())))
-            hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd[i].append(clock() - t_start["f", i])))
-            hooks.append(
-                layer.register_full_backward_pre_hook(lambda m, g, i=i: t_start.__setitem__(("b", i), clock()))
-            )
-            hooks.append(
-                layer.register_full_backward_hook(lambda m, gi, go, i=i: bwd[i].append(clock() - t_start["b", i]))
-            )
         rng = _rng_state()
-        handle = attach(self.model, plan=None, device=self.args.device)
         was_training = self.model.training
         try:
             self.model.train()
-            for _ in range(max(1, steps)):
-                loss = handle.causal_lm_loss(self.model, dict(batch))
-                loss.backward()
-                handle.zero_grad()
+            return time_streamed_layers(self.model, batch, self.args.device, max(1, steps))
         finally:
-            handle.remove()
-            for h in hooks:
-                h.remove()
-            self.model.zero_grad(set_to_none=True)
             self.model.train(was_training)
             _set_rng_state(rng)
-
-        def med(xs: list[float]) -> float:
-            xs = sorted(xs[1:] if len(xs) > 1 else xs)  # the first pass pays one-off allocation costs
-            return xs[len(xs) // 2] if xs else 0.0
-
-        return [med(x) for x in fwd], [med(x) for x in bwd]
 
     def make_plan(self):
         """Profile -> warm-up timings -> plan, per `args.planner_*`. Saves the plan (JSON + timeline) to output_dir."""
@@ -869,6 +829,51 @@ class LayerwiseUpdater:
 
 
 # ---------------------------------------------------------------------- helpers
+def time_streamed_layers(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, passes: int
+) -> tuple[list[float], list[float]]:
+    """Median forward and backward seconds per decoder layer over ``passes`` forward+backward passes of ``model``
+    streamed with the default plan (the executor's own costs included), the first pass dropped (it pays one-off
+    allocation costs). Parameters and gradients are left as they were. Used by the trainer's timed warm-up and by
+    `benchmarks/gpu_check.py`."""
+    from .streaming import attach
+
+    layers = models.decoder_layers(_unwrap_base(model))
+    fwd: list[list[float]] = [[] for _ in layers]
+    bwd: list[list[float]] = [[] for _ in layers]
+    t_start: dict[tuple[str, int], float] = {}
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def clock() -> float:
+        sync()
+        return time.perf_counter()
+
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: t_start.__setitem__(("f", i), clock())))
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd[i].append(clock() - t_start["f", i])))
+        hooks.append(layer.register_full_backward_pre_hook(lambda m, g, i=i: t_start.__setitem__(("b", i), clock())))
+        hooks.append(
+            layer.register_full_backward_hook(lambda m, gi, go, i=i: bwd[i].append(clock() - t_start["b", i]))
+        )
+    handle = attach(model, plan=None, device=device)
+    try:
+        for _ in range(passes):
+            handle.causal_lm_loss(model, dict(batch)).backward()
+            handle.zero_grad()
+    finally:
+        handle.remove()
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs[1:] if len(xs) > 1 else xs)
+        return xs[len(xs) // 2] if xs else 0.0
+
+    return [med(x) for x in fwd], [med(x) for x in bwd]
+
+
 def lazytrain_card_section(plan, log_history: list[dict]) -> str:
     """Model-card section: the plan that trained the model and the throughput measured while training."""
     measured = [h for h in log_history if "tokens_per_s" in h]
