@@ -196,25 +196,27 @@ class LazyTrainer(Trainer):
             )
         return str(resume_from_checkpoint)
 
-    def _unsaved_masters(self) -> dict[str, torch.Tensor]:
-        """fp32 masters that the saved weights do not hold exactly (their compute copy is bf16/fp16), by name.
+    def _separate_masters(self, store: bool = True, resident: bool = True) -> dict[str, torch.Tensor]:
+        """The fp32 masters that are not the model's own weights (their compute copy is bf16/fp16), by name: views of
+        the host store's masters and the optimizer's resident masters.
 
         Note: [fp32 masters in checkpoints] the weights of a checkpoint are the compute copy; resuming from them alone
         would restart from masters rounded to the compute dtype. Checkpoints therefore carry these masters too.
         """
-        if self.stream_handle is None:
-            return {}
+        out: dict[str, torch.Tensor] = {}
+        if store and self.stream_handle is not None:
+            for ls in self.stream_handle.store.layers.values():
+                if ls.master is not None and not ls.aliased:
+                    out.update(ls.master_views)
+        if resident and self._updater is not None:
+            out.update({n: m for n, p, m in self._updater.resident if m.data_ptr() != p.data_ptr()})
+        return out
+
+    def _unsaved_masters(self) -> dict[str, torch.Tensor]:
+        """Copies of `_separate_masters()` once the optimizer step in flight (if any) has finished."""
         if self._updater is not None:
             self._updater.wait_all()
-        out: dict[str, torch.Tensor] = {}
-        for ls in self.stream_handle.store.layers.values():
-            if ls.master is not None and not ls.aliased:
-                out.update({n: v.contiguous() for n, v in ls.master_views.items()})
-        if self._updater is not None:
-            for name, p, master in self._updater.resident:
-                if master.data_ptr() != p.data_ptr():
-                    out[name] = master.contiguous()
-        return {n: t.detach().clone() for n, t in out.items()}
+        return {n: t.detach().contiguous().clone() for n, t in self._separate_masters().items()}
 
     def _restore_masters(self, checkpoint: str | None, where: str) -> None:
         """Copy the checkpoint's fp32 masters into the host store (`where="store"`, right after attach) or into the
@@ -225,13 +227,7 @@ class LazyTrainer(Trainer):
         from safetensors.torch import load_file
 
         saved = load_file(path)
-        targets: dict[str, torch.Tensor] = {}
-        if where == "store":
-            for ls in self.stream_handle.store.layers.values():
-                if ls.master is not None and not ls.aliased:
-                    targets.update(ls.master_views)
-        else:
-            targets = {n: m for n, p, m in self._updater.resident if m.data_ptr() != p.data_ptr()}
+        targets = self._separate_masters(store=where == "store", resident=where == "resident")
         with torch.no_grad():
             for name, dst in targets.items():
                 if name not in saved or saved[name].shape != dst.shape:
