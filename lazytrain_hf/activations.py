@@ -957,7 +957,8 @@ class ActivationEngine:
             if nbytes % itemsize == 0 and elems <= 2 * max(t.numel(), 1):
                 view = (tuple(t.shape), tuple(t.stride()), lo)
                 t, lo = t.as_strided((elems,), (1,), 0), 0
-        entry = self._offload_entry(ctx.layer, ctx.tier, t)
+                layout = _Layout.of(t)  # of the whole-storage view now saved
+        entry = self._offload_entry(ctx.layer, ctx.tier, t, layout)
         if entry.tier != "gpu":
             cands.append((StorageWeakRef(t.untyped_storage()), version, entry, lo))
         return _Saved(entry, self._self_ref, view)
@@ -970,8 +971,10 @@ class ActivationEngine:
         self._entries.setdefault(layer, []).append(entry)
         return entry
 
-    def _offload_entry(self, layer: int, tier: str, t: torch.Tensor) -> _Entry:
-        layout = _Layout.of(t)
+    def _offload_entry(self, layer: int, tier: str, t: torch.Tensor, layout: _Layout | None = ...) -> _Entry:
+        """Copy ``t`` to ``tier``; ``layout`` is `_Layout.of(t)` when the caller already has it."""
+        if layout is ...:
+            layout = _Layout.of(t)
         if layout is None:  # overlapping view: see Note: [Saved tensors are restored with their layout]
             return self._keep_entry(layer, t)
         entry = _Entry(layer, tier, layout)
