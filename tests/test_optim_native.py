@@ -107,6 +107,39 @@ def test_native_codes_are_bucketize_on_ties(monkeypatch, isa):
     assert torch.equal(v.codes, v_expected)
 
 
+@pytest.mark.parametrize("isa", ISAS)
+def test_block_extremes_get_the_end_codes(monkeypatch, isa):
+    """The element equal to +-absmax scales to a * (1 / a), which rounds to 1 or to the float just below it (never
+    above: the AVX-512 path relies on it and does not clamp); it must take the end code, as in the numba kernel."""
+    monkeypatch.setenv(native.ISA_ENV, isa)
+    cand = torch.rand(200_000, generator=torch.Generator().manual_seed(5)) * 1e3 + 1e-3
+    scaled = cand * (1.0 / cand)
+    assert scaled.max().item() == 1.0 and scaled.min().item() == float(np.nextafter(np.float32(1), np.float32(0)))
+    below = cand[scaled < 1.0][:20]
+    exact = cand[scaled == 1.0][:20]
+    gen = torch.Generator().manual_seed(3)
+    blocks = []
+    for i, a in enumerate(torch.cat([below, exact]).tolist()):
+        body = (torch.rand(255, generator=gen) * 2 - 1) * a * 0.99
+        blocks.append(torch.cat([body, torch.tensor([a if i % 2 == 0 else -a])]))
+    g = torch.cat(blocks)
+    n = g.numel()
+    s = AdamWScalars(
+        decay=1.0, one_minus_beta1=1.0, beta2=0.0, one_minus_beta2=1.0, neg_step_size=0.0,
+        bias_correction2_sqrt=1.0, eps=1.0, clip=1.0,
+    )  # fmt: skip
+    results = []
+    for backend in ("native", "numba"):
+        m, v = Quantized8bit.zeros(n, 256, True), Quantized8bit.zeros(n, 256, False)
+        adamw8bit_step(torch.zeros(n), g, m, v, s, None, backend)  # m_new = g, v_new = g * g
+        results.append((m.codes, v.codes))
+    (mc, vc), (mc_ref, vc_ref) = results
+    assert torch.equal(mc, mc_ref) and torch.equal(vc, vc_ref)
+    ends = mc[255::256]
+    assert ends[0::2].eq(255).all() and ends[1::2].eq(0).all(), ends.tolist()
+    assert vc[255::256].eq(255).all()
+
+
 def test_bucket_keys_fit_and_cover():
     for signed in (True, False):
         keys = native.bucket_keys(dynamic_lookup(signed))

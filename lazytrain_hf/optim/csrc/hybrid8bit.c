@@ -238,7 +238,8 @@ LT_AVX512 static inline void dequant64(const uint8_t *codes, const lt_tables *t,
     lookup64(_mm512_permutexvar_epi8(reorder, _mm512_loadu_si512(codes)), t->planes, out);
 }
 
-/* Nearest code of 64 values in [-1, 1] (count of midpoints strictly below x, i.e. bucketize with right=False).
+/* Nearest code of 64 values in (-2, 2) (count of midpoints strictly below x, i.e. bucketize with right=False;
+ * values beyond +-1 get the code of +-1 since no midpoint lies beyond).
  *
  * The float is cut into buckets: its exponent group (sign and exponent, magnitudes below 2**-30 in one group per
  * sign) picks a base key and a shift, and the key is base + (low 23 bits of the order-preserving integer image of
@@ -412,8 +413,11 @@ LT_AVX512 static void block_avx512(const lt_vec_ctx *ctx, int64_t b, float *mbuf
         for (; nv16 < nvec; nv16 += 64) {
             __m512 xm[4], xv[4];
             for (int j = 0; j < 4; j++) {
-                xm[j] = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_load_ps(mbuf + nv16 + 16 * j), m_inv), lo), hi);
-                xv[j] = _mm512_min_ps(_mm512_max_ps(_mm512_mul_ps(_mm512_load_ps(vbuf + nv16 + 16 * j), v_inv), lo), hi);
+                /* No clamp (the generic path's clamp never acts on finite values): |x| <= absmax, and
+                 * absmax * (1 / absmax) rounds to 1 or just below it in float32, never above. Values beyond 1
+                 * would still get the end codes (exponent group 127 of the key tables). */
+                xm[j] = _mm512_mul_ps(_mm512_load_ps(mbuf + nv16 + 16 * j), m_inv);
+                xv[j] = _mm512_mul_ps(_mm512_load_ps(vbuf + nv16 + 16 * j), v_inv);
             }
             _mm512_storeu_si512(a->m_codes + s + nv16, encode64(xm, &ctx->m, reorder));
             _mm512_storeu_si512(a->v_codes + s + nv16, encode64(xv, &ctx->v, reorder));
