@@ -4,7 +4,11 @@
 
 Prints one table per size: median / min / max step time over ``--reps`` timed repetitions (after warm-up, so numba
 compilation and first-touch page faults are excluded), the speed ratio to torch fused AdamW + clip_grad_norm_,
-the bytes each step must move per parameter, the resulting GB/s and its fraction of a measured copy bandwidth.
+the bytes each step must move per parameter, the resulting GB/s and its fraction of the measured in-place
+bandwidth (``a.add_(b)``: the access pattern of an optimizer, whose state is updated in place). Before the tables:
+that bandwidth, and the native kernel's compute cost with its operands in cache, on one thread: when the kernel
+is compute-bound (few cores per memory channel) its step time is that cost divided by the threads, not its bytes
+over the bandwidth.
 
 Bytes per parameter (fp32 master, fp32 grad):
 - torch AdamW + clip_grad_norm_: norm reads g (4), scaling reads and writes g (8), AdamW reads p, g, m, v and
@@ -54,12 +58,37 @@ def _time(fn: Callable[[], None], reps: int, warmup: int = 2) -> list[float]:
     return times
 
 
-def copy_bandwidth(reps: int) -> float:
-    """GB/s of ``dst.copy_(src)`` on 1 GiB, counting bytes read plus written."""
-    src = torch.ones(1 << 28)
-    dst = torch.empty_like(src)
-    times = _time(lambda: dst.copy_(src), reps)
-    return 2 * src.numel() * 4 / statistics.median(times) / 1e9
+def stream_bandwidth(reps: int, elems: int = 1 << 28) -> dict[str, float]:
+    """GB/s of two streaming operations on ``elems`` floats (default 1 GiB), counting the bytes a program asks for (as the B/param column does).
+
+    ``copy``: ``dst.copy_(src)`` (read + write of another buffer: the hardware also reads ``dst`` before writing it,
+    which the count leaves out, so it understates the memory system). ``in_place``: ``a.add_(b)`` (reads a and b,
+    writes a in place: 12 B/element), the access pattern of an optimizer step, whose state is updated in place.
+    """
+    a = torch.ones(elems)
+    b = torch.ones_like(a)
+    copy = 2 * a.numel() * 4 / statistics.median(_time(lambda: b.copy_(a), reps))
+    in_place = 3 * a.numel() * 4 / statistics.median(_time(lambda: a.add_(b), reps))
+    return {"copy": copy / 1e9, "in_place": in_place / 1e9}
+
+
+def native_compute_rate(reps: int, n: int = 1 << 20, inner: int = 20) -> float | None:
+    """ns per element of the native kernel on one thread with every operand in cache (its compute cost alone)."""
+    from lazytrain_hf.optim import Quantized8bit, native
+    from lazytrain_hf.optim.kernels import AdamWScalars
+
+    if not native.available():
+        return None
+    gen = torch.Generator().manual_seed(0)
+    p, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
+    m, v = Quantized8bit.zeros(n, 256, signed=True), Quantized8bit.zeros(n, 256, signed=False)
+    scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.01, 3, 0.5).as_float32()
+
+    def run() -> None:
+        for _ in range(inner):
+            native.adamw8bit_step(p, g, m, v, scalars, None, 1, 256)
+
+    return min(_time(run, reps)) / inner / n * 1e9
 
 
 def _torch_case(n: int, reps: int, **kwargs) -> list[float]:
@@ -122,6 +151,73 @@ def _bound(fn: Callable[..., list[float]], *args) -> Callable[[int], list[float]
     return lambda n: fn(n, *args)
 
 
+Case = tuple[str, float, Callable[[int], "list[float] | None"]]
+
+
+def make_cases(reps: int, backends: list[str], foreach: bool = True, bnb_reps: int | None = None) -> list[Case]:
+    """(name, bytes per parameter, run(n) -> step times or None when not importable), torch fused first."""
+    cases: list[Case] = [("torch AdamW fused + clip_grad_norm_", 40, lambda n: _torch_case(n, reps, fused=True))]
+    if foreach:
+        cases.append(("torch AdamW foreach + clip_grad_norm_", 40, lambda n: _torch_case(n, reps, foreach=True)))
+    for backend in backends:
+        cases += [
+            (f"Hybrid8bit[{backend}] host norm + fused clip", 20, _bound(_hybrid_case, reps, True, False, backend)),
+            (f"Hybrid8bit[{backend}] host norm + clip + bf16", 22, _bound(_hybrid_case, reps, True, True, backend)),
+            (f"Hybrid8bit[{backend}] device norm (step only)", 16, _bound(_hybrid_case, reps, False, False, backend)),
+        ]
+    cases.append(("DeepSpeedCPUAdam + clip_grad_norm_", 40, lambda n: _deepspeed_case(n, reps)))
+    if bnb_reps:
+        cases.append(("bitsandbytes AdamW8bit (CPU) + clip", 24, lambda n: _bnb_case(n, bnb_reps)))
+    return cases
+
+
+def measure(n: int, cases: list[Case], in_place_gbs: float) -> list[dict]:
+    """Run every case on ``n`` parameters; one row each (``skipped`` when the optimizer is not importable)."""
+    rows, base = [], None
+    for name, bpp, run in cases:
+        times = run(n)
+        gc.collect()
+        if times is None:
+            rows.append({"optimizer": name, "skipped": True})
+            continue
+        med = statistics.median(times)
+        base = base or med
+        gbs = n * bpp / med / 1e9
+        rows.append(
+            {
+                "optimizer": name,
+                "median_ms": med * 1e3,
+                "min_ms": min(times) * 1e3,
+                "max_ms": max(times) * 1e3,
+                "x_torch_fused": base / med,
+                "bytes_per_param": bpp,
+                "gb_s": gbs,
+                "pct_in_place_bw": 100 * gbs / in_place_gbs,
+            }
+        )
+    return rows
+
+
+def format_rows(rows: list[dict]) -> str:
+    head = f"{'optimizer step':<48}{'median ms':>10}{'min':>8}{'max':>8}{'x fused':>9}{'B/param':>9}{'GB/s':>7}"
+    lines = [head + f"{'% in-place bw':>15}"]
+    for r in rows:
+        if r.get("skipped"):
+            lines.append(f"{r['optimizer']:<48}{'(not importable: skipped)':>40}")
+            continue
+        lines.append(
+            f"{r['optimizer']:<48}{r['median_ms']:>10.1f}{r['min_ms']:>8.1f}{r['max_ms']:>8.1f}"
+            f"{r['x_torch_fused']:>9.2f}{r['bytes_per_param']:>9}{r['gb_s']:>7.1f}{r['pct_in_place_bw']:>14.0f}%"
+        )
+    return "\n".join(lines)
+
+
+def parse_count(s: str) -> int:
+    """Parameter counts, not bytes: "50M" is 50 * 10**6 parameters."""
+    s = s.strip().upper()
+    return int(float(s[:-1]) * {"K": 1e3, "M": 1e6, "G": 1e9}[s[-1]]) if s[-1] in "KMG" else parse_bytes(s)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="50M,200M", help="comma-separated parameter counts, e.g. 50M,200M")
@@ -132,66 +228,34 @@ def main(argv: list[str] | None = None) -> None:
         "--backends", default="native,numba", help="HybridAdamW8bit kernel backends to time (native, numba, torch)"
     )
     args = parser.parse_args(argv)
-    sizes = []
-    for s in args.sizes.split(","):
-        s = s.strip().upper()
-        # Parameter counts, not bytes: "50M" is 50 * 10**6 parameters.
-        sizes.append(int(float(s[:-1]) * {"K": 1e3, "M": 1e6, "G": 1e9}[s[-1]]) if s[-1] in "KMG" else parse_bytes(s))
+    sizes = [parse_count(s) for s in args.sizes.split(",")]
 
-    bw = copy_bandwidth(args.reps)
+    bw = stream_bandwidth(args.reps)
     probe = HybridAdamW8bit([torch.nn.Parameter(torch.zeros(1))])
     from lazytrain_hf.optim import native
 
+    rate = native_compute_rate(args.reps)
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, HybridAdamW8bit default={probe.backend}")
     print(f"native kernel: {native.isa() if native.available() else native.error()}; load average: {os.getloadavg()}")
-    print(f"copy bandwidth (1 GiB dst.copy_(src), read+write): {bw:.1f} GB/s\n")
-
-    cases: list[tuple[str, float, Callable[[int], list[float] | None]]] = [
-        ("torch AdamW fused + clip_grad_norm_", 40, lambda n: _torch_case(n, args.reps, fused=True)),
-        ("torch AdamW foreach + clip_grad_norm_", 40, lambda n: _torch_case(n, args.reps, foreach=True)),
-    ]
-    for backend in [b.strip() for b in args.backends.split(",") if b.strip()]:
-        cases += [
-            (
-                f"Hybrid8bit[{backend}] host norm + fused clip",
-                20,
-                _bound(_hybrid_case, args.reps, True, False, backend),
-            ),
-            (
-                f"Hybrid8bit[{backend}] host norm + clip + bf16",
-                22,
-                _bound(_hybrid_case, args.reps, True, True, backend),
-            ),
-            (
-                f"Hybrid8bit[{backend}] device norm (step only)",
-                16,
-                _bound(_hybrid_case, args.reps, False, False, backend),
-            ),
-        ]
-    cases += [
-        ("DeepSpeedCPUAdam + clip_grad_norm_", 40, lambda n: _deepspeed_case(n, args.reps)),
-    ]
-    if not args.skip_bnb:
-        cases.append(("bitsandbytes AdamW8bit (CPU) + clip", 24, lambda n: _bnb_case(n, args.bnb_reps)))
-
+    print(
+        f"bandwidth (1 GiB): copy_ {bw['copy']:.1f} GB/s, in-place a.add_(b) {bw['in_place']:.1f} GB/s "
+        "(bytes asked for: read + write)"
+    )
+    if rate is not None:
+        print(
+            f"native kernel compute, operands in cache, 1 thread: {rate:.2f} ns/param; "
+            f"{torch.get_num_threads()} threads can do at best {rate / torch.get_num_threads():.2f} ns/param, the "
+            f"in-place bandwidth allows {16 / bw['in_place']:.2f} ns/param at 16 B/param"
+        )
+    print()
+    cases = make_cases(
+        args.reps,
+        [b.strip() for b in args.backends.split(",") if b.strip()],
+        bnb_reps=None if args.skip_bnb else args.bnb_reps,
+    )
     for n in sizes:
         print(f"== {n / 1e6:.0f}M parameters, {args.reps} reps (bitsandbytes: {args.bnb_reps})")
-        header = f"{'optimizer step':<48}{'median ms':>10}{'min':>8}{'max':>8}{'x fused':>9}{'B/param':>9}"
-        print(header + f"{'GB/s':>7}{'% copy':>8}")
-        base = None
-        for name, bpp, run in cases:
-            times = run(n)
-            gc.collect()
-            if times is None:
-                print(f"{name:<48}{'(not importable: skipped)':>40}")
-                continue
-            med = statistics.median(times)
-            base = base or med
-            gbs = n * bpp / med / 1e9
-            print(
-                f"{name:<48}{med * 1e3:>10.1f}{min(times) * 1e3:>8.1f}{max(times) * 1e3:>8.1f}{base / med:>9.2f}"
-                f"{bpp:>9}{gbs:>7.1f}{100 * gbs / bw:>7.0f}%"
-            )
+        print(format_rows(measure(n, cases, bw["in_place"])))
         print()
 
 

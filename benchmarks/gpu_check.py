@@ -18,6 +18,8 @@ on):
    per-layer forward/backward times (decoder-layer FLOP rate / matmul rate), and one profile per model
    (``measured_profile_<model>.json``, with that model's per-kind layer times) is written beside it. Either file can
    be fed to ``lazytrain plan --hardware path.json``.
+   ``optimizer``: the host CPU's optimizer step, HybridAdamW8bit (native kernel) vs torch fused AdamW +
+   ``clip_grad_norm_`` on 200M parameters (the cases of ``bench_optim.py``), on all of the machine's cores.
 4. ``model:<name>`` for each model size (Qwen2.5-1.5B/3B/7B configs, random init, bf16, seq 1024): per-layer
    forward/backward times from timed passes through the streamed model (as `LazyTrainer.measure_layer_times`), then
    for each GPU budget the MILP plan (largest feasible micro-batch), ``megatrain`` and ``keep_all`` (when it fits)
@@ -357,6 +359,53 @@ def section_parity(device: torch.device, dry_run: bool) -> dict[str, Any]:
         out["models"][model_type] = per
     out["ok"] = all_ok
     return out
+
+
+# ---------------------------------------------------------------------------------------------------- optimizer
+def section_optimizer(dry_run: bool, params: int) -> dict[str, Any]:
+    """Host-CPU optimizer step on this machine's cores: HybridAdamW8bit (native kernel; norm from the device, or a
+    host norm pass) vs torch fused AdamW + clip_grad_norm_, the cases and table of benchmarks/bench_optim.py."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import bench_optim
+
+    from lazytrain_hf.optim import native
+
+    reps = 3 if dry_run else 5
+    backend = "native" if native.available() else "numba"  # no C compiler on the machine: the numba kernel
+    bw = bench_optim.stream_bandwidth(reps, elems=(1 << 22) if dry_run else (1 << 28))
+    rate = bench_optim.native_compute_rate(reps)
+    rows = bench_optim.measure(params, bench_optim.make_cases(reps, [backend], foreach=False), bw["in_place"])
+    threads = torch.get_num_threads()
+    log(f"   {params / 1e6:.0f}M parameters, {threads} threads, in-place bandwidth {bw['in_place']:.1f} GB/s")
+    if rate is not None:
+        log(f"   native kernel compute, 1 thread, in cache: {rate:.2f} ns/param ({rate / threads:.3f} at {threads})")
+    log("   " + bench_optim.format_rows(rows).replace("\n", "\n   "))
+    return {
+        "params": params,
+        "backend": backend,
+        "threads": threads,
+        "bandwidth_gb_s": bw,
+        "native_compute_ns_per_param_1_thread": rate,
+        "rows": rows,
+    }
+
+
+def optimizer_line(report: dict) -> str:
+    sec = report["sections"].get("optimizer", {})
+    if sec.get("status") != "ok":
+        return f"optimizer: {sec.get('status', 'skipped')}"
+    res = sec["result"]
+    ratios = {r["optimizer"].split("] ")[-1]: r["x_torch_fused"] for r in res["rows"] if not r.get("skipped")}
+    dev = ratios.get("device norm (step only)")
+    host = ratios.get("host norm + fused clip")
+
+    def fmt(x: float | None) -> str:
+        return "-" if x is None else f"{x:.2f}x"
+
+    return (
+        f"optimizer (host CPU, {res['threads']} threads, {res['params'] / 1e6:.0f}M params): HybridAdamW8bit "
+        f"{fmt(dev)} (norm from the device) / {fmt(host)} (host norm) the speed of torch fused AdamW + clip_grad_norm_"
+    )
 
 
 # ---------------------------------------------------------------------------------------------------- section 3
@@ -757,6 +806,8 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--timing-passes", type=int, default=3, help="forward+backward passes of the layer timing")
     p.add_argument("--solver-time-limit", type=float, default=None, help="MILP seconds per solve (10; dry run 5)")
     p.add_argument("--skip-parity", action="store_true", help="skip the parity section")
+    p.add_argument("--skip-optimizer", action="store_true", help="skip the host-CPU optimizer section")
+    p.add_argument("--optim-params", type=int, default=None, help="parameters of the optimizer section (200M; dry 2M)")
     return p
 
 
@@ -789,6 +840,9 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_parity:
         run_section(report, "parity", section_parity, device, dry)
     prof_res = run_section(report, "profile", section_profile, device, dry, args.out)
+    if not args.skip_optimizer:
+        params = args.optim_params or (2_000_000 if dry else 200_000_000)
+        run_section(report, "optimizer", section_optimizer, dry, params)
     from lazytrain_hf.planner import hardware
 
     if prof_res is not None:
@@ -846,6 +900,7 @@ def main(argv: list[str] | None = None) -> int:
         "pred% / sim% = (stage-model MILP / simulator step time - measured) / measured",
         par_line,
         prof_line,
+        optimizer_line(report),
         "max |pred err| "
         + ", max |sim err| ".join(
             "-" if pred.get(k) is None else f"{pred[k]:.1f}%" for k in ("max_abs_milp_err_pct", "max_abs_sim_err_pct")

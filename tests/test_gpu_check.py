@@ -46,6 +46,7 @@ def test_dry_run_finishes_ok_within_limit(dry_run):
     summary = tail.index("== summary")
     assert any(line.startswith("model ") and "TFLOPS" in line for line in tail[summary:])
     assert "elapsed" in proc.stdout
+    assert any(line.startswith("optimizer (host CPU,") for line in tail[summary:])
 
 
 def test_json_sections_and_runs(dry_run):
@@ -53,10 +54,21 @@ def test_json_sections_and_runs(dry_run):
     report = json.loads((out / "gpu_check.json").read_text())
     assert report["dry_run"] is True and report["device"] == "cpu"
     secs = report["sections"]
-    for name in ("environment", "parity", "profile", "model:tiny-qwen3", "model:tiny-qwen3_moe", "prediction"):
+    names = ("environment", "parity", "profile", "optimizer", "model:tiny-qwen3", "model:tiny-qwen3_moe", "prediction")
+    for name in names:
         assert name in secs, sorted(secs)
         assert secs[name]["status"] == "ok", secs[name].get("traceback")
         assert secs[name]["seconds"] >= 0
+    opt = secs["optimizer"]["result"]
+    rows = {r["optimizer"]: r for r in opt["rows"]}
+    assert opt["params"] == 2_000_000 and opt["bandwidth_gb_s"]["in_place"] > 0
+    assert rows["torch AdamW fused + clip_grad_norm_"]["x_torch_fused"] == 1.0
+    for case in ("host norm + fused clip", "host norm + clip + bf16", "device norm (step only)"):
+        r = rows[f"Hybrid8bit[{opt['backend']}] {case}"]
+        assert r["median_ms"] > 0 and r["min_ms"] <= r["median_ms"] <= r["max_ms"]
+        assert r["x_torch_fused"] == pytest.approx(
+            rows["torch AdamW fused + clip_grad_norm_"]["median_ms"] / r["median_ms"]
+        )
     parity = secs["parity"]["result"]
     assert parity["ok"] and "tolerance" in parity
     for mt in ("qwen3", "qwen3_moe"):
