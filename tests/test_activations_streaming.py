@@ -9,13 +9,10 @@ import pytest
 import torch
 from conftest import tiny_model
 
+from lazytrain_hf import streaming
 from lazytrain_hf.activations import ActivationEngine
 from lazytrain_hf.models import layer_kinds
 from lazytrain_hf.planner.plan import Plan
-
-streaming = pytest.importorskip("lazytrain_hf.streaming")
-if not hasattr(streaming, "attach"):
-    pytest.skip("lazytrain_hf.streaming.attach is not available yet", allow_module_level=True)
 
 VECTORS = {
     "nvme": ["offload_nvme"] * 4,

@@ -15,10 +15,9 @@ from hypothesis import strategies as st
 from test_streaming import assert_grads_equal, padded_batch, plain_grads
 
 from lazytrain_hf import models
+from lazytrain_hf.activations import ActivationEngine
 from lazytrain_hf.planner.plan import Plan
-from lazytrain_hf.streaming import KeepAllActivations, attach
-
-activations = pytest.importorskip("lazytrain_hf.activations")
+from lazytrain_hf.streaming import attach
 
 POLICY = st.sampled_from(
     [("keep", "gpu"), ("offload_cpu", "gpu"), ("offload_nvme", "gpu"), ("recompute", "gpu"), ("recompute", "cpu")]
@@ -45,7 +44,7 @@ def _run(model_type: str, policies: list[tuple[str, str]], nvme_dir: str, depth:
     for lp, (pol, tier) in zip(plan.layers, policies):
         lp.policy, lp.input_tier = pol, tier
     handle = attach(model, plan=plan, nvme_dir=nvme_dir)
-    assert isinstance(handle.activations, activations.ActivationEngine)
+    assert isinstance(handle.activations, ActivationEngine)
     loss = model(**padded_batch()).loss
     st_fwd = handle.memory_stats()
     loss.backward()
@@ -94,12 +93,14 @@ def test_offload_lowers_device_activations():
     assert peaks["offload_cpu"] <= 0.5 * peaks["keep"], peaks
 
 
-def test_fallback_keep_all_engine():
-    """`KeepAllActivations` (used when lazytrain_hf.activations is absent): bit-exact with `keep`, refuses others."""
+def test_given_activation_engine_is_used():
+    """`attach(activation_engine=...)`: an engine built by the caller serves the saved tensors (bit-exact with the
+    default engine) and its accounting is the handle's."""
     ref_loss, ref_g = _reference("qwen3")
     model = tiny_model("qwen3")
     plan = Plan.default(4)
-    # the packer is the handle itself; attach passes it when it builds the engine, here we build it first
+    plan.layers[1].policy = "offload_cpu"
+    # the packer is the handle itself; attach passes it when it builds the engine, here the engine comes first
     holder: dict = {}
 
     class Deferred:
@@ -109,15 +110,14 @@ def test_fallback_keep_all_engine():
         def unpack(self, ref):
             return holder["h"].unpack(ref)
 
-    eng = KeepAllActivations(plan, torch.device("cpu"), param_packer=Deferred())
+    eng = ActivationEngine(plan, torch.device("cpu"), param_packer=Deferred())
     handle = attach(model, plan=plan, activation_engine=eng)
     holder["h"] = handle
+    assert handle.activations is eng
     loss = model(**padded_batch()).loss
-    assert handle.memory_stats()["activation_gpu_bytes"] > 0
+    assert eng.memory_stats()["cpu_bytes"] > 0
+    assert handle.memory_stats()["activation_cpu_bytes"] == eng.memory_stats()["cpu_bytes"]
     loss.backward()
     assert torch.equal(loss, ref_loss)
     assert_grads_equal(ref_g, handle.grads())
     handle.remove()
-    plan.layers[2].policy = "offload_cpu"
-    with pytest.raises(ValueError, match="offload_cpu"):
-        KeepAllActivations(plan, torch.device("cpu"))

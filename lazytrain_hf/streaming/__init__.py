@@ -14,7 +14,7 @@ handle.remove()  # the model is exactly as before
 from __future__ import annotations
 
 from .engine import Slot, TransferEngine
-from .hooks import KeepAllActivations, StreamHandle, attach
+from .hooks import StreamHandle, attach
 from .loss import chunked_causal_lm_loss
 from .store import HostStore, LayerStore
 
@@ -26,5 +26,4 @@ __all__ = [
     "LayerStore",
     "TransferEngine",
     "Slot",
-    "KeepAllActivations",
 ]

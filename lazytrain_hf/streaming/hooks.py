@@ -47,7 +47,6 @@ Note: [Squared norms of accumulated gradients]
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import math
 import warnings
 import weakref
@@ -61,6 +60,7 @@ import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
 from .. import models
+from ..activations import ActivationEngine
 from ..planner.plan import Plan
 from .engine import Slot, TransferEngine
 from .loss import chunked_causal_lm_loss
@@ -95,112 +95,6 @@ class _KeptRef:
 
     def __init__(self, tensor: torch.Tensor):
         self.tensor = tensor
-
-
-class KeepAllActivations:
-    """Minimal activation engine: weights by reference, every other saved tensor kept where it is.
-
-    Used when `lazytrain_hf.activations` is not available; same methods as `lazytrain_hf.activations.ActivationEngine`
-    for the ``keep`` policy. Any other policy raises ValueError.
-    """
-
-    def __init__(
-        self,
-        plan: Plan,
-        device: torch.device,
-        nvme_dir: str | None = None,
-        param_packer: Any = None,
-        pin_memory: bool | None = None,
-    ):
-        other = sorted({lp.policy for lp in plan.layers} - {"keep"})
-        if other:
-            raise ValueError(
-                f"plan uses activation policies {other} but lazytrain_hf.activations is not installed; only 'keep' "
-                "works without it. Use a plan with policy='keep' on every layer."
-            )
-        self.packer = param_packer
-        self._ctx: Any = None
-        self._live: list[weakref.ref] = []
-        self._peak = 0
-
-    def __repr__(self) -> str:
-        return "KeepAllActivations()"
-
-    def _pack(self, t: torch.Tensor) -> Any:
-        ref = self.packer.pack(t) if self.packer is not None else None
-        if ref is not None:
-            return ref
-        self._live.append(weakref.ref(t))
-        return t
-
-    def _unpack(self, obj: Any) -> torch.Tensor:
-        if isinstance(obj, torch.Tensor):
-            return obj
-        return self.packer.unpack(obj)
-
-    def begin_layer(self, layer: int, module: nn.Module, args: tuple, kwargs: dict) -> None:
-        self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, self._unpack)
-        self._ctx.__enter__()
-
-    def end_layer(self, layer: int, output: Any = None) -> None:
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.__exit__(None, None, None)
-        self._peak = max(self._peak, self._gpu_bytes())
-
-    def prefetch(self, layer: int) -> None:
-        return None
-
-    def begin_backward(self, layer: int) -> None:
-        return None
-
-    def _gpu_bytes(self) -> int:
-        # Saved tensors die when the backward node that saved them ran; count each live storage once.
-        seen: dict[int, int] = {}
-        alive = []
-        for r in self._live:
-            t = r()
-            if t is None:
-                continue
-            alive.append(r)
-            st = t.untyped_storage()
-            seen[st.data_ptr()] = st.nbytes()
-        self._live = alive
-        return sum(seen.values())
-
-    def end_step(self) -> None:
-        self._live.clear()
-
-    def memory_stats(self) -> dict[str, int]:
-        cur = self._gpu_bytes()
-        self._peak = max(self._peak, cur)
-        return {
-            "gpu_bytes": cur,
-            "gpu_peak_bytes": self._peak,
-            "cpu_bytes": 0,
-            "cpu_peak_bytes": 0,
-            "nvme_bytes": 0,
-            "nvme_peak_bytes": 0,
-        }
-
-    def reset_peak(self) -> None:
-        self._peak = self._gpu_bytes()
-
-    def check_nvme_capacity(self, bytes_needed: int) -> None:
-        return None
-
-    def close(self) -> None:
-        self.end_layer(-1)
-        self._live.clear()
-
-
-def _default_activation_engine_cls() -> type:
-    # The real engine lives in lazytrain_hf/activations.py; a checkout without it streams with `keep` only.
-    if importlib.util.find_spec("lazytrain_hf.activations") is not None:
-        from ..activations import ActivationEngine
-
-        return ActivationEngine
-    return KeepAllActivations
 
 
 class _Boundary(torch.autograd.Function):
@@ -429,9 +323,7 @@ class StreamHandle:
 
         # ---- phase 4: activation engine and hooks ----
         if activation_engine is None:
-            activation_engine = _default_activation_engine_cls()(
-                plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin
-            )
+            activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
         self.activations = activation_engine
         for st in self._layers:
             self._hooks.append(st.module.register_forward_pre_hook(self._make_pre_hook(st.index), with_kwargs=True))
@@ -1203,7 +1095,7 @@ def attach(
         plan: the per-layer plan. ``None``: every layer streamed, prefetch depth 1, every activation kept.
         device: compute device; ``None`` picks the current CUDA device when available, else the CPU.
         activation_engine: an activation engine instance to use instead of the default
-            (`lazytrain_hf.activations.ActivationEngine` when available, else `KeepAllActivations`).
+            (`lazytrain_hf.activations.ActivationEngine` for the plan's policies).
         nvme_dir: directory for activations the plan offloads to NVMe.
         pin_memory: pin the host store; default: on CUDA only.
 
