@@ -1,9 +1,11 @@
 """CPU optimizer step time: HybridAdamW8bit (clip folded in) vs torch AdamW (+ clip_grad_norm_) and bitsandbytes.
 
-    python benchmarks/bench_optim.py --sizes 50M,200M --reps 7 --backends native,numba
+    python benchmarks/bench_optim.py --sizes 50M,200M --rounds 3 --reps 3 --backends native,numba
 
-Prints one table per size: median / min / max step time over ``--reps`` timed repetitions (after warm-up, so numba
-compilation and first-touch page faults are excluded), the speed ratio to torch fused AdamW + clip_grad_norm_,
+Prints one table per size: median / min / max step time over ``--rounds`` round-robin rounds of ``--reps`` timed
+repetitions (each round rebuilds every case's state and warms it up, so numba compilation and first-touch page faults
+are excluded, and a drift of a shared machine reaches every case alike), the speed ratio to torch fused AdamW +
+clip_grad_norm_ of the medians and of the minimums,
 the bytes each step must move per parameter, the resulting GB/s and its fraction of the measured in-place
 bandwidth (``a.add_(b)``: the access pattern of an optimizer, whose state is updated in place). Before the tables:
 that bandwidth, and the native kernel's compute cost with its operands in cache, on one thread: when the kernel
@@ -171,25 +173,36 @@ def make_cases(reps: int, backends: list[str], foreach: bool = True, bnb_reps: i
     return cases
 
 
-def measure(n: int, cases: list[Case], in_place_gbs: float) -> list[dict]:
-    """Run every case on ``n`` parameters; one row each (``skipped`` when the optimizer is not importable)."""
+def measure(n: int, cases: list[Case], in_place_gbs: float, rounds: int = 1) -> list[dict]:
+    """Run every case on ``n`` parameters, ``rounds`` times round-robin (each round builds the case's state anew and
+    times its repetitions), so drifts of a shared machine reach every case alike; one row per case with the median
+    and the minimum over all rounds (``skipped`` when the optimizer is not importable)."""
+    times: dict[str, list[float] | None] = {name: [] for name, _, _ in cases}
+    for _ in range(rounds):
+        for name, _, run in cases:
+            if times[name] is None:
+                continue
+            got = run(n)
+            gc.collect()
+            times[name] = None if got is None else times[name] + got
     rows, base = [], None
-    for name, bpp, run in cases:
-        times = run(n)
-        gc.collect()
-        if times is None:
+    for name, bpp, _ in cases:
+        ts = times[name]
+        if ts is None:
             rows.append({"optimizer": name, "skipped": True})
             continue
-        med = statistics.median(times)
-        base = base or med
+        med, low = statistics.median(ts), min(ts)
+        base = base or (med, low)
         gbs = n * bpp / med / 1e9
         rows.append(
             {
                 "optimizer": name,
+                "samples": len(ts),
                 "median_ms": med * 1e3,
-                "min_ms": min(times) * 1e3,
-                "max_ms": max(times) * 1e3,
-                "x_torch_fused": base / med,
+                "min_ms": low * 1e3,
+                "max_ms": max(ts) * 1e3,
+                "x_torch_fused": base[0] / med,
+                "x_torch_fused_min": base[1] / low,
                 "bytes_per_param": bpp,
                 "gb_s": gbs,
                 "pct_in_place_bw": 100 * gbs / in_place_gbs,
@@ -199,15 +212,16 @@ def measure(n: int, cases: list[Case], in_place_gbs: float) -> list[dict]:
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'optimizer step':<48}{'median ms':>10}{'min':>8}{'max':>8}{'x fused':>9}{'B/param':>9}{'GB/s':>7}"
-    lines = [head + f"{'% in-place bw':>15}"]
+    head = f"{'optimizer step':<48}{'median ms':>10}{'min':>8}{'max':>8}{'x fused':>9}{'(min)':>7}{'B/param':>9}"
+    lines = [head + f"{'GB/s':>7}{'% in-place bw':>15}"]
     for r in rows:
         if r.get("skipped"):
             lines.append(f"{r['optimizer']:<48}{'(not importable: skipped)':>40}")
             continue
         lines.append(
             f"{r['optimizer']:<48}{r['median_ms']:>10.1f}{r['min_ms']:>8.1f}{r['max_ms']:>8.1f}"
-            f"{r['x_torch_fused']:>9.2f}{r['bytes_per_param']:>9}{r['gb_s']:>7.1f}{r['pct_in_place_bw']:>14.0f}%"
+            f"{r['x_torch_fused']:>9.2f}{r['x_torch_fused_min']:>7.2f}{r['bytes_per_param']:>9}{r['gb_s']:>7.1f}"
+            f"{r['pct_in_place_bw']:>14.0f}%"
         )
     return "\n".join(lines)
 
@@ -221,8 +235,9 @@ def parse_count(s: str) -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--sizes", default="50M,200M", help="comma-separated parameter counts, e.g. 50M,200M")
-    parser.add_argument("--reps", type=int, default=7, help="timed repetitions per case (median reported)")
-    parser.add_argument("--bnb-reps", type=int, default=2, help="repetitions for bitsandbytes (slow on CPU)")
+    parser.add_argument("--reps", type=int, default=3, help="timed repetitions per case and round")
+    parser.add_argument("--rounds", type=int, default=3, help="round-robin rounds over the cases (state rebuilt)")
+    parser.add_argument("--bnb-reps", type=int, default=1, help="repetitions per round for bitsandbytes (slow)")
     parser.add_argument("--skip-bnb", action="store_true", help="leave out bitsandbytes AdamW8bit")
     parser.add_argument(
         "--backends", default="native,numba", help="HybridAdamW8bit kernel backends to time (native, numba, torch)"
@@ -254,8 +269,8 @@ def main(argv: list[str] | None = None) -> None:
         bnb_reps=None if args.skip_bnb else args.bnb_reps,
     )
     for n in sizes:
-        print(f"== {n / 1e6:.0f}M parameters, {args.reps} reps (bitsandbytes: {args.bnb_reps})")
-        print(format_rows(measure(n, cases, bw["in_place"])))
+        print(f"== {n / 1e6:.0f}M parameters, {args.rounds} rounds x {args.reps} reps (bitsandbytes: {args.bnb_reps})")
+        print(format_rows(measure(n, cases, bw["in_place"], args.rounds)))
         print()
 
 
