@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from . import native
-from .quant import ABSMAX_FLOOR, LOOKUP_SHIFT, Quantized8bit
+from .quant import ABSMAX_FLOOR, LOOKUP_SHIFT, Quantized8bit, num_blocks
 
 BACKENDS: tuple[str, ...] = ("native", "numba", "torch")
 BACKEND_ENV = "LAZYTRAIN_OPTIM_BACKEND"
@@ -193,19 +193,14 @@ if NUMBA_AVAILABLE:
         v_lut,
         v_bmid,
         block_size,
-        clip,
-        decay,
-        one_minus_beta1,
-        beta2,
-        one_minus_beta2,
-        neg_step_size,
-        bias_correction2_sqrt,
-        eps,
-        absmax_floor,
+        hp,
         out16,
         write16,
     ):  # pragma: no cover - compiled
-        """Blocks ``b0 .. b1 - 1`` of the fused step (see the module docstring); one thread."""
+        """Blocks ``b0 .. b1 - 1`` of the fused step (see the module docstring); one thread. ``hp``: the float32
+        scalars clip, decay, 1 - beta1, beta2, 1 - beta2, -step size, sqrt(bias correction 2), eps, absmax floor."""
+        clip, decay, one_minus_beta1, beta2, one_minus_beta2 = hp[0], hp[1], hp[2], hp[3], hp[4]
+        neg_step_size, bias_correction2_sqrt, eps, absmax_floor = hp[5], hp[6], hp[7], hp[8]
         n = p.shape[0]
         one = np.float32(1.0)
         # Scratch for one block; the uint32 views give the float bits that the absmax reduction and the code
@@ -279,124 +274,17 @@ if NUMBA_AVAILABLE:
 
     @njit(parallel=True, fastmath=False, error_model="numpy", cache=True)
     def _adamw8bit_parallel(
-        p,
-        p_bits,
-        g,
-        m_codes,
-        m_absmax,
-        v_codes,
-        v_absmax,
-        m_map,
-        m_lut,
-        m_bmid,
-        v_map,
-        v_lut,
-        v_bmid,
-        block_size,
-        chunk_blocks,
-        clip,
-        decay,
-        one_minus_beta1,
-        beta2,
-        one_minus_beta2,
-        neg_step_size,
-        bias_correction2_sqrt,
-        eps,
-        absmax_floor,
-        out16,
-        write16,
-    ):  # pragma: no cover - compiled
+        p, p_bits, g, m_codes, m_absmax, v_codes, v_absmax, m_map, m_lut, m_bmid, v_map, v_lut, v_bmid, block_size,
+        hp, out16, write16, chunk_blocks,
+    ):  # fmt: skip  # pragma: no cover - compiled
+        """`_update_blocks` over every block, chunks of ``chunk_blocks`` blocks spread over numba's threads."""
         n_blocks = (p.shape[0] + block_size - 1) // block_size
         n_chunks = (n_blocks + chunk_blocks - 1) // chunk_blocks
         for c in prange(n_chunks):
             _update_blocks(
-                c * chunk_blocks,
-                min((c + 1) * chunk_blocks, n_blocks),
-                p,
-                p_bits,
-                g,
-                m_codes,
-                m_absmax,
-                v_codes,
-                v_absmax,
-                m_map,
-                m_lut,
-                m_bmid,
-                v_map,
-                v_lut,
-                v_bmid,
-                block_size,
-                clip,
-                decay,
-                one_minus_beta1,
-                beta2,
-                one_minus_beta2,
-                neg_step_size,
-                bias_correction2_sqrt,
-                eps,
-                absmax_floor,
-                out16,
-                write16,
-            )
-
-    @njit(fastmath=False, error_model="numpy", cache=True)
-    def _adamw8bit_serial(
-        p,
-        p_bits,
-        g,
-        m_codes,
-        m_absmax,
-        v_codes,
-        v_absmax,
-        m_map,
-        m_lut,
-        m_bmid,
-        v_map,
-        v_lut,
-        v_bmid,
-        block_size,
-        chunk_blocks,
-        clip,
-        decay,
-        one_minus_beta1,
-        beta2,
-        one_minus_beta2,
-        neg_step_size,
-        bias_correction2_sqrt,
-        eps,
-        absmax_floor,
-        out16,
-        write16,
-    ):  # pragma: no cover - compiled
-        _update_blocks(
-            0,
-            (p.shape[0] + block_size - 1) // block_size,
-            p,
-            p_bits,
-            g,
-            m_codes,
-            m_absmax,
-            v_codes,
-            v_absmax,
-            m_map,
-            m_lut,
-            m_bmid,
-            v_map,
-            v_lut,
-            v_bmid,
-            block_size,
-            clip,
-            decay,
-            one_minus_beta1,
-            beta2,
-            one_minus_beta2,
-            neg_step_size,
-            bias_correction2_sqrt,
-            eps,
-            absmax_floor,
-            out16,
-            write16,
-        )
+                c * chunk_blocks, min((c + 1) * chunk_blocks, n_blocks), p, p_bits, g, m_codes, m_absmax, v_codes,
+                v_absmax, m_map, m_lut, m_bmid, v_map, v_lut, v_bmid, block_size, hp, out16, write16,
+            )  # fmt: skip
 
 
 _WARM = False
@@ -415,11 +303,25 @@ def warm_up() -> None:
     out = torch.empty(n, dtype=torch.bfloat16)
     adamw8bit_step(p, g, m, v, AdamWScalars.make(1e-3, 0.9, 0.999, 1e-8, 0.0, 1), out_bf16=out, backend="numba")
     adamw8bit_step(p, g, m, v, AdamWScalars.make(1e-3, 0.9, 0.999, 1e-8, 0.0, 2), out_bf16=None, backend="numba")
+    with _KERNEL_LOCK:  # the multi-threaded entry point too (small tensors never reach it)
+        _adamw8bit_parallel(*_numba_args(p, g, m, v, AdamWScalars.make(1e-3, 0.9, 0.999, 1e-8, 0.0, 3), out), 1)
     _WARM = True
 
 
 def _as_numpy(t: torch.Tensor) -> np.ndarray:
     return t.detach().numpy()
+
+
+def _numba_args(p, g, m: Quantized8bit, v: Quantized8bit, scalars: AdamWScalars, out_bf16) -> tuple:
+    """Arguments of `_update_blocks` after its block range (and of `_adamw8bit_parallel` before chunk_blocks)."""
+    hp = np.array([*scalars.as_float32(), ABSMAX_FLOOR], np.float32)
+    out16 = out_bf16.view(torch.int16).numpy().view(np.uint16) if out_bf16 is not None else np.empty(0, np.uint16)
+    pn, ml, vl = _as_numpy(p), m.lookup, v.lookup
+    return (
+        pn, pn.view(np.uint32), _as_numpy(g), m.codes.numpy(), m.absmax.numpy(), v.codes.numpy(), v.absmax.numpy(),
+        ml.code_map, ml.lut, ml.bucket_mid, vl.code_map, vl.lut, vl.bucket_mid, m.block_size, hp, out16,
+        out_bf16 is not None,
+    )  # fmt: skip
 
 
 def adamw8bit_step(
@@ -444,41 +346,14 @@ def adamw8bit_step(
         )
         return
     if backend == "numba":
-        clip, decay, w1, b2, w2, neg_step, bc2s, eps = scalars.as_float32()
-        out16 = out_bf16.view(torch.int16).numpy().view(np.uint16) if out_bf16 is not None else np.empty(0, np.uint16)
         with _KERNEL_LOCK:
-            pn = _as_numpy(p)
+            args = _numba_args(p, g, m, v, scalars, out_bf16)
             # Note: [Serial below a threshold] a parallel region costs far more than the update of a small tensor
             # (norms, biases, tiny layers), and wakes threads that compete with torch's own OpenMP pool.
-            kernel = _adamw8bit_parallel if p.numel() >= PARALLEL_MIN_ELEMENTS else _adamw8bit_serial
-            kernel(
-                pn,
-                pn.view(np.uint32),
-                _as_numpy(g),
-                m.codes.numpy(),
-                m.absmax.numpy(),
-                v.codes.numpy(),
-                v.absmax.numpy(),
-                m.lookup.code_map,
-                m.lookup.lut,
-                m.lookup.bucket_mid,
-                v.lookup.code_map,
-                v.lookup.lut,
-                v.lookup.bucket_mid,
-                m.block_size,
-                max(1, CHUNK_ELEMENTS // m.block_size),
-                clip,
-                decay,
-                w1,
-                b2,
-                w2,
-                neg_step,
-                bc2s,
-                eps,
-                np.float32(ABSMAX_FLOOR),
-                out16,
-                out_bf16 is not None,
-            )
+            if p.numel() >= PARALLEL_MIN_ELEMENTS:
+                _adamw8bit_parallel(*args, max(1, CHUNK_ELEMENTS // m.block_size))
+            else:
+                _update_blocks(0, num_blocks(p.numel(), m.block_size), *args)
         return
     _adamw8bit_torch(p, g, m, v, scalars, out_bf16)
 
