@@ -5,12 +5,11 @@
 Prints one table per size: median / min / max step time over ``--rounds`` round-robin rounds of ``--reps`` timed
 repetitions (each round rebuilds every case's state and warms it up, so numba compilation and first-touch page faults
 are excluded, and a drift of a shared machine reaches every case alike), the speed ratio to torch fused AdamW +
-clip_grad_norm_ of the medians and of the minimums,
-the bytes each step must move per parameter, the resulting GB/s and its fraction of the measured in-place
-bandwidth (``a.add_(b)``: the access pattern of an optimizer, whose state is updated in place). Before the tables:
-that bandwidth, and the native kernel's compute cost with its operands in cache, on one thread: when the kernel
-is compute-bound (few cores per memory channel) its step time is that cost divided by the threads, not its bytes
-over the bandwidth.
+clip_grad_norm_ of the medians and of the minimums, the bytes each step must move per parameter, the resulting GB/s
+and its fraction of the measured in-place bandwidth (``a.add_(b)``: the access pattern of an optimizer, whose state
+is updated in place). Before the tables: that bandwidth, and the native kernel's compute cost with its operands in
+cache, on one thread: when the kernel is compute-bound (few cores per memory channel) its step time is that cost
+divided by the threads, not its bytes over the bandwidth.
 
 Bytes per parameter (fp32 master, fp32 grad):
 - torch AdamW + clip_grad_norm_: norm reads g (4), scaling reads and writes g (8), AdamW reads p, g, m, v and
@@ -61,7 +60,8 @@ def _time(fn: Callable[[], None], reps: int, warmup: int = 2) -> list[float]:
 
 
 def stream_bandwidth(reps: int, elems: int = 1 << 28) -> dict[str, float]:
-    """GB/s of two streaming operations on ``elems`` floats (default 1 GiB), counting the bytes a program asks for (as the B/param column does).
+    """GB/s of two streaming operations on ``elems`` floats (default 1 GiB), counting the bytes a program asks for
+    (as the B/param column does).
 
     ``copy``: ``dst.copy_(src)`` (read + write of another buffer: the hardware also reads ``dst`` before writing it,
     which the count leaves out, so it understates the memory system). ``in_place``: ``a.add_(b)`` (reads a and b,
