@@ -7,8 +7,9 @@
  *      with decoupled weight decay and bias correction, write p (and its bf16 copy); new m and v go to a stack
  *      buffer, since the block's new absmax is only known once every element is updated;
  *   2. new absmax of m and v (integer max over the float bits with the sign cleared);
- *   3. scale into [-1, 1] (x * (1 / absmax), clamped) and store the nearest code: bucketize over the 255 fp32
- *      midpoints of the map, ties to the lower code (count of midpoints strictly below x).
+ *   3. scale into [-1, 1] (x * (1 / absmax); the generic path clamps as the numba kernel does, a clamp that
+ *      never acts on finite values, so the AVX-512 path leaves it out) and store the nearest code: bucketize over
+ *      the 255 fp32 midpoints of the map, ties to the lower code (count of midpoints strictly below x).
  *
  * Floating point: every operation is the float32 operation of the numba kernel, in the same order, with no
  * multiply-add contraction (build with -ffp-contract=off; the intrinsics below use separate mul and add), IEEE
