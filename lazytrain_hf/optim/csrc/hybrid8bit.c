@@ -136,22 +136,35 @@ static void encode_scalar(const float *buf, int64_t i0, int64_t i1, float inv, c
     }
 }
 
+/* Step 2 for elements [i0, i1): running max of |m| and |v| as float bits (integer order = value order). */
+static inline void absmax_bits(const float *mbuf, const float *vbuf, int64_t i0, int64_t i1, uint32_t *mmax,
+                               uint32_t *vmax) {
+    for (int64_t i = i0; i < i1; i++) {
+        uint32_t x = f2u(mbuf[i]) & 0x7FFFFFFFu, y = f2u(vbuf[i]) & 0x7FFFFFFFu;
+        *mmax = x > *mmax ? x : *mmax;
+        *vmax = y > *vmax ? y : *vmax;
+    }
+}
+
+/* Store block b's new absmax and return the scale factors 1 / max(absmax, floor) of m and v. */
+static inline void store_absmax(const lt_args *a, int64_t b, uint32_t mmax, uint32_t vmax, float *m_inv,
+                                float *v_inv) {
+    float ma = u2f(mmax), va = u2f(vmax);
+    a->m_absmax[b] = ma;
+    a->v_absmax[b] = va;
+    *m_inv = 1.0f / (ma > a->absmax_floor ? ma : a->absmax_floor);
+    *v_inv = 1.0f / (va > a->absmax_floor ? va : a->absmax_floor);
+}
+
 static void block_generic(const lt_args *a, int64_t b, float *mbuf, float *vbuf) {
     int64_t s = b * a->block_size;
     int64_t e = s + a->block_size < a->n ? s + a->block_size : a->n;
     int64_t len = e - s;
     adam_scalar(a, s, 0, len, a->m_absmax[b], a->v_absmax[b], mbuf, vbuf);
     uint32_t mmax = 0, vmax = 0;
-    for (int64_t i = 0; i < len; i++) {
-        uint32_t x = f2u(mbuf[i]) & 0x7FFFFFFFu, y = f2u(vbuf[i]) & 0x7FFFFFFFu;
-        mmax = x > mmax ? x : mmax;
-        vmax = y > vmax ? y : vmax;
-    }
-    float ma = u2f(mmax), va = u2f(vmax);
-    a->m_absmax[b] = ma;
-    a->v_absmax[b] = va;
-    float m_inv = 1.0f / (ma > a->absmax_floor ? ma : a->absmax_floor);
-    float v_inv = 1.0f / (va > a->absmax_floor ? va : a->absmax_floor);
+    absmax_bits(mbuf, vbuf, 0, len, &mmax, &vmax);
+    float m_inv, v_inv;
+    store_absmax(a, b, mmax, vmax, &m_inv, &v_inv);
     encode_scalar(mbuf, 0, len, m_inv, a->m_lut, a->m_bmid, a->m_codes + s);
     encode_scalar(vbuf, 0, len, v_inv, a->v_lut, a->v_bmid, a->v_codes + s);
 }
@@ -396,17 +409,10 @@ LT_AVX512 static void block_avx512(const lt_vec_ctx *ctx, int64_t b, float *mbuf
     uint32_t mm = _mm512_reduce_max_epu32(mmax), vm = _mm512_reduce_max_epu32(vmax);
     if (nvec < len) {
         adam_scalar(a, s, nvec, len, am_s, av_s, mbuf, vbuf);
-        for (int64_t i = nvec; i < len; i++) {
-            uint32_t x = f2u(mbuf[i]) & 0x7FFFFFFFu, y = f2u(vbuf[i]) & 0x7FFFFFFFu;
-            mm = x > mm ? x : mm;
-            vm = y > vm ? y : vm;
-        }
+        absmax_bits(mbuf, vbuf, nvec, len, &mm, &vm);
     }
-    float ma = u2f(mm), va = u2f(vm);
-    a->m_absmax[b] = ma;
-    a->v_absmax[b] = va;
-    float m_inv_s = 1.0f / (ma > a->absmax_floor ? ma : a->absmax_floor);
-    float v_inv_s = 1.0f / (va > a->absmax_floor ? va : a->absmax_floor);
+    float m_inv_s, v_inv_s;
+    store_absmax(a, b, mm, vm, &m_inv_s, &v_inv_s);
     const __m512 m_inv = _mm512_set1_ps(m_inv_s), v_inv = _mm512_set1_ps(v_inv_s);
     const __m512 lo = _mm512_set1_ps(-1.0f), hi = _mm512_set1_ps(1.0f);
     int64_t nv16 = 0;
