@@ -18,8 +18,9 @@ on):
    per-layer forward/backward times (decoder-layer FLOP rate / matmul rate), and one profile per model
    (``measured_profile_<model>.json``, with that model's per-kind layer times) is written beside it. Either file can
    be fed to ``lazytrain plan --hardware path.json``.
-   ``optimizer``: the host CPU's optimizer step, HybridAdamW8bit (native kernel) vs torch fused AdamW +
-   ``clip_grad_norm_`` on 200M parameters (the cases of ``bench_optim.py``), on all of the machine's cores.
+   ``optimizer``: the host CPU's optimizer step, HybridAdamW8bit (native kernel; numba where it cannot be built)
+   vs torch fused AdamW + ``clip_grad_norm_`` on 200M parameters (the cases of ``bench_optim.py``), on all of the
+   machine's cores.
 4. ``model:<name>`` for each model size (Qwen2.5-1.5B/3B/7B configs, random init, bf16, seq 1024): per-layer
    forward/backward times from timed passes through the streamed model (as `LazyTrainer.measure_layer_times`), then
    for each GPU budget the MILP plan (largest feasible micro-batch), ``megatrain`` and ``keep_all`` (when it fits)
@@ -363,8 +364,8 @@ def section_parity(device: torch.device, dry_run: bool) -> dict[str, Any]:
 
 # ---------------------------------------------------------------------------------------------------- optimizer
 def section_optimizer(dry_run: bool, params: int) -> dict[str, Any]:
-    """Host-CPU optimizer step on this machine's cores: HybridAdamW8bit (native kernel; norm from the device, or a
-    host norm pass) vs torch fused AdamW + clip_grad_norm_, the cases and table of benchmarks/bench_optim.py."""
+    """Host-CPU optimizer step on this machine's cores: HybridAdamW8bit (native kernel, else numba; norm from the
+    device, or a host norm pass) vs torch fused AdamW + clip_grad_norm_, the cases and table of bench_optim.py."""
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
     import bench_optim
 
