@@ -61,6 +61,7 @@ import torch
 import torch.nn as nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
+from . import streams
 from .planner.plan import Plan
 from .units import format_bytes
 
@@ -83,6 +84,13 @@ __all__ = [
 # with the same strides, i.e. the same span the original base storage had: never more device memory than the
 # original. Views whose elements overlap in memory cannot be restored by a copy and stay on the device.
 _ALIGN_BYTES = 64
+
+# Note: [Saved tensors are not written in place while their copy runs]
+# An offload copy reads the saved tensor asynchronously (a side stream on CUDA, a lane in the simulated engine): a
+# layer that writes a saved tensor in place after saving it (autograd's own version check is off under saved-tensor
+# hooks) would race that copy. Models do not (plain autograd refuses it at backward); the synchronous CPU engine still
+# serves such a tensor correctly, copying it again when it is saved after the write
+# (`test_modified_storage_is_copied_again`).
 
 # Note: [Pool buffers are keyed by rounded size]
 # Activation shapes repeat every step, so a pool keyed by (rounded) byte size reaches a fixed point after the first
@@ -244,8 +252,9 @@ class HostBufferPool:
     `get` waits for that event before handing the buffer out again (Note: [Pool buffers carry their last copy]).
     """
 
-    def __init__(self, pin_memory: bool = False) -> None:
+    def __init__(self, pin_memory: bool = False, poison: bool = False) -> None:
         self.pin_memory = pin_memory
+        self.poison = poison  # simulated asynchronous engine: buffers are poisoned when handed back
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
         self._lock = threading.Lock()
         self.allocated_bytes = 0  # bytes of all buffers this pool owns (free + handed out)
@@ -276,6 +285,8 @@ class HostBufferPool:
 
     def put(self, buf: torch.Tensor, event: Any = None) -> None:
         """Return ``buf``; ``event`` (CUDA) is the last copy that uses it (See Note: [Pool buffers carry ...])."""
+        if self.poison:
+            streams.poison_after(buf, event)  # Note: [Simulated copies poison their destination]
         with self._lock:
             self._free.setdefault(buf.numel(), []).append((buf, event))
 
@@ -773,7 +784,11 @@ class ActivationEngine:
         self.param_packer = param_packer
         self.pin_memory = bool(pin_memory)
         self.nvme_max_inflight_bytes = int(nvme_max_inflight_bytes)
-        self.pool = HostBufferPool(pin_memory=self.pin_memory)
+        # None: synchronous CPU copies; else CUDA streams or the simulated asynchronous lanes (lazytrain_hf.streams)
+        self._lanes = streams.lanes_for(device, ("d2h", "h2d"), "activations")
+        self._async = self._lanes is not None
+        self._io_delay = streams.SimDelay("nvme") if self._async and device.type == "cpu" else None
+        self.pool = HostBufferPool(pin_memory=self.pin_memory, poison=self._async and device.type == "cpu")
         self._acct = _Accountant()
         self._self_ref = weakref.ref(self)
         self._stack: list[_LayerCtx] = []
@@ -793,10 +808,8 @@ class ActivationEngine:
         self._spill = _SpillDir(nvme_dir, io_threads) if nvme_dir is not None else None
         # See Note: [Spill files never outlive the process]
         self._finalizer = weakref.finalize(self, _SpillDir.cleanup, self._spill) if self._spill else None
-        self._d2h = self._h2d = None
-        if device.type == "cuda":
-            self._d2h = torch.cuda.Stream(device)
-            self._h2d = torch.cuda.Stream(device)
+        self._d2h = self._lanes["d2h"] if self._async else None
+        self._h2d = self._lanes["h2d"] if self._async else None
 
     # ------------------------------------------------------------------ checks
     @staticmethod
@@ -982,15 +995,10 @@ class ActivationEngine:
         buf = self.pool.get(nbytes)
         host = layout.host_view(buf)
         src = layout.source(t)
-        if self.device.type == "cuda":
+        if self._async:
             # Note: [D2H waits for the producer]
             # The side stream must not read the activation before the compute stream has written it.
-            cur = torch.cuda.current_stream(self.device)
-            self._d2h.wait_stream(cur)
-            with torch.cuda.stream(self._d2h):
-                host.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
-                ev.record(self._d2h)
+            ev = self._d2h.copy(host, src, after_compute=True)
             # Note: [Offload source stays alive until its copy completes]
             # Autograd drops its reference to `t` now (it holds our `_Saved`); the caching allocator could hand the
             # block to the next kernel while the D2H copy still reads it. The source is held in `_inflight` until
@@ -1042,8 +1050,12 @@ class ActivationEngine:
         pool, acct, layer = self.pool, self._acct, entry.layer
         failure = self._record_write_failure
 
+        delay = self._io_delay
+
         def write() -> None:
             try:
+                if delay is not None:
+                    delay.sleep()
                 if event is not None:
                     event.synchronize()  # the D2H copy into the pinned staging buffer
                 _pwrite_all(f.fd, _bytes_of(staging[:nbytes]), entry.offset)
@@ -1082,20 +1094,19 @@ class ActivationEngine:
         """Background reader: spill file -> device tensor. Returns the CUDA event of the H2D copy (None on CPU)."""
         layout, f = entry.layout, entry.file
         entry.write_future.result()  # reads follow the write of the same bytes
-        if self.device.type == "cpu" and layout.dense:
+        if self._io_delay is not None:
+            self._io_delay.sleep()
+        if not self._async and layout.dense:
             _pread_all(f.fd, _bytes_of(layout.landing_bytes(storage)), entry.offset)  # lands in place
             return None
         staging = self.pool.get(layout.nbytes)
         _pread_all(f.fd, _bytes_of(staging[: layout.nbytes]), entry.offset)
-        if self.device.type == "cpu":
+        if not self._async:
             narrow.copy_(layout.host_view(staging))
             self.pool.put(staging)
             return None
-        with torch.cuda.device(self.device), torch.cuda.stream(self._h2d):
-            self._h2d.wait_event(alloc_event)  # See Note: [H2D waits for the block's previous users]
-            narrow.copy_(layout.host_view(staging), non_blocking=True)
-            ev = torch.cuda.Event()
-            ev.record(self._h2d)
+        # See Note: [H2D waits for the block's previous users]
+        ev = self._h2d.copy(narrow, layout.host_view(staging), after=(alloc_event,))
         self.pool.put(staging, ev)  # See Note: [Pool buffers carry their last copy]
         return ev
 
@@ -1122,23 +1133,19 @@ class ActivationEngine:
             storage, narrow, final = layout.empty(self.device)
             entry.reloaded = final
             entry.reload_key, _ = self._acct.add_storage(final)
-        if self.device.type == "cuda":
-            cur = torch.cuda.current_stream(self.device)
-            entry.reload_stream = cur
+        if self._async:
+            if self.device.type == "cuda":
+                entry.reload_stream = torch.cuda.current_stream(self.device)
             if entry.tier == "cpu":
                 # Note: [H2D waits for the block's previous users]
                 # `storage` was allocated on the current stream, whose earlier kernels may still use the block it
                 # reuses; the side stream writes only after them. Note: [Reload waits for the offload copy]: and
                 # only after the D2H copy that filled the host buffer.
-                self._h2d.wait_stream(cur)
-                self._h2d.wait_event(entry.copy_event)
-                with torch.cuda.stream(self._h2d):
-                    narrow.copy_(layout.host_view(entry.host), non_blocking=True)
-                    entry.reload_event = torch.cuda.Event()
-                    entry.reload_event.record(self._h2d)
+                entry.reload_event = self._h2d.copy(
+                    narrow, layout.host_view(entry.host), after=(entry.copy_event,), after_compute=True
+                )
             else:
-                alloc_event = torch.cuda.Event()
-                alloc_event.record(cur)
+                alloc_event = self._lanes.compute_event()
                 entry.reload_future = self._spill.reader.submit(self._read_nvme, entry, narrow, storage, alloc_event)
                 self._track_read(entry.reload_future)
         elif entry.tier == "cpu":
@@ -1193,10 +1200,10 @@ class ActivationEngine:
             entry.reload_future = None
             entry.reload_event = ev
         out = entry.reloaded
+        if self._async:
+            self._lanes.compute_wait(entry.reload_event)
         if self.device.type == "cuda":
             cur = torch.cuda.current_stream(self.device)
-            if entry.reload_event is not None:
-                cur.wait_event(entry.reload_event)
             if entry.reload_stream is not None and entry.reload_stream != cur:
                 out.record_stream(cur)  # allocated on another stream than the one that frees it
         return out
@@ -1586,9 +1593,8 @@ class ActivationEngine:
     # ------------------------------------------------------------------ step
     def synchronize(self) -> None:
         """Wait for every copy and write in flight (benchmarks, memory snapshots)."""
-        if self._d2h is not None:
-            self._d2h.synchronize()
-            self._h2d.synchronize()
+        if self._lanes is not None:
+            self._lanes.synchronize()
         self._poll_inflight()
         for fut, _ in list(self._writes):
             with contextlib.suppress(Exception):
@@ -1605,9 +1611,8 @@ class ActivationEngine:
             ctx = self._stack.pop()
             if ctx.hooks is not None:
                 ctx.hooks.__exit__(None, None, None)
-        if self._d2h is not None:
-            self._d2h.synchronize()
-            self._h2d.synchronize()
+        if self._lanes is not None:
+            self._lanes.synchronize()
         self._wait_io()
         for refs in self._frames.values():
             for ref in refs:
@@ -1655,6 +1660,8 @@ class ActivationEngine:
             return
         self._end_step(raise_errors=False)
         self._closed = True
+        if self._lanes is not None:
+            self._lanes.close()
         self.pool.clear()
         if self._finalizer is not None:
             self._finalizer()  # runs _SpillDir.cleanup once and detaches it from exit handling
@@ -1674,6 +1681,7 @@ class ActivationEngine:
         offloaded tensors and NVMe staging buffers in flight. ``nvme``: bytes in spill files. ``cpu_pool_bytes``:
         host memory the buffer pool owns (reused across steps).
         """
+        self._poll_inflight()  # offload sources whose copy has landed are no longer device bytes
         with self._acct.lock:
             cur, peak = dict(self._acct.cur), dict(self._acct.peak)
         return {

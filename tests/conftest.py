@@ -12,6 +12,28 @@ os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(min(2, torch.get_num_threads()))
 
+# Note: [Tests run under the simulated asynchronous engine]
+# Every test runs with LAZYTRAIN_SIMULATE_ASYNC=1 (copies, reloads, NVMe I/O and overlapped optimizer updates land
+# on worker threads after random delays; lazytrain_hf/streams.py), so a missing wait fails a test instead of passing
+# on synchronous CPU copies. `LAZYTRAIN_SIMULATE_ASYNC=0 pytest ...` runs the suite on the synchronous engine instead;
+# tests marked `sync_engine` (exact in-flight accounting of the synchronous path) always do.
+_SIMULATE = os.environ.get("LAZYTRAIN_SIMULATE_ASYNC", "1")
+
+
+@pytest.fixture(autouse=True)
+def _copy_engine(request, monkeypatch):
+    sync = request.node.get_closest_marker("sync_engine") is not None
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC", "0" if sync else _SIMULATE)
+    yield
+
+
+@pytest.fixture
+def async_engine(monkeypatch):
+    """The simulated asynchronous CPU engine, whatever the environment says (the plan-space tests need it)."""
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC", "1")
+    yield
+
+
 TINY = dict(
     hidden_size=32,
     intermediate_size=64,

@@ -188,6 +188,7 @@ def test_callbacks_and_norms():
     seen: list[tuple[int, dict]] = []
     cb = handle.on_layer_grads_ready(lambda i, g: seen.append((i, {k: v.clone() for k, v in g.items()})))
     model(**batch).loss.backward()
+    handle.synchronize()  # callbacks run on the worker thread once the copy landed (asynchronous engines)
     assert [i for i, _ in seen] == [3, 2, 1, 0]
     for i, g in seen:
         prefix = f"model.layers.{i}."

@@ -1,43 +1,55 @@
 """Transfer engine: the device slot pool and every host <-> device copy of the streaming executor.
 
-One interface, two paths:
+One interface, three paths:
 
 - **CPU** (the development machines): the "device" is the CPU. Slots are real buffers distinct from the host
   store, so every fetch is a real copy (synchronous), and gradients are really copied / added into the host
-  accumulators. Tests exercise this path.
-- **CUDA**: a dedicated H2D stream and a dedicated D2H stream, events instead of host synchronisation, pinned
-  host buffers and ``non_blocking=True`` copies. Host-side work that must wait for a D2H copy (adding a
-  micro-batch gradient into the fp32 accumulator, per-layer callbacks) runs on one background worker thread, so
-  the Python thread driving autograd never blocks per layer.
+  accumulators.
+- **CUDA**: an H2D lane and a D2H lane (`lazytrain_hf.streams`: CUDA streams), events instead of host
+  synchronisation, pinned host buffers and ``non_blocking=True`` copies. Host-side work that must wait for a D2H
+  copy (adding a micro-batch gradient into the fp32 accumulator, per-layer callbacks) runs on one background worker
+  thread, so the Python thread driving autograd never blocks per layer.
+- **Simulated asynchronous CPU** (``LAZYTRAIN_SIMULATE_ASYNC=1``): the CUDA path's code with simulated lanes:
+  every copy lands on a worker thread after a random delay, its destination poisoned meanwhile, and slots handed
+  back to the pool are poisoned (`lazytrain_hf.streams`). The tests run under it, so a missing wait fails them.
 
-The invariants the CUDA path relies on are named Notes below and referenced where they are relied on.
+The invariants the asynchronous paths rely on are named Notes below and referenced where they are relied on; the
+test that exercises each is named in it.
 
 Note: [Slot reuse waits for the compute event]
     A slot is handed back to the pool by `release` while kernels that read it may still be queued on the compute
     stream. `release` records ``slot.released`` on the compute stream; the next H2D copy into that slot is issued
-    on the H2D stream after ``h2d_stream.wait_event(slot.released)``, so it cannot overwrite weights a queued
-    kernel still reads. On CPU every op is synchronous and the wait is void.
+    on the H2D lane after ``slot.released``, so it cannot overwrite weights a queued kernel still reads. A slot the
+    plan keeps resident is never released: the optimizer's upload into it follows `mark_released`, which the
+    updater calls on the training thread once the step's backward is queued. A copy into a slot the compute side
+    bound (`wait_ready`) and has not released since is refused with an error. Tests:
+    ``test_plan_space.py::test_resident_upload_needs_release`` (the error), the plan-space property test (values).
 
 Note: [Compute waits for the H2D event]
-    A fetch records ``slot.ready`` on the H2D stream after its copy; `wait_ready` makes the current (compute)
-    stream wait for it before the layer's parameters are bound to the slot and used.
+    A fetch records ``slot.ready`` on the H2D lane after its copy; `wait_ready` makes the current (compute)
+    stream wait for it before the layer's parameters are bound to the slot and used, and before every forward of
+    a resident layer (whose slot the optimizer's upload rewrites between steps). Test: the plan-space property test
+    (a read before the copy landed sees NaN).
 
 Note: [Host compute copy is not rewritten while a fetch reads it]
     An H2D copy reads the pinned host compute copy asynchronously. Each fetch records ``host_read[layer]``;
     `wait_host_reads(layer)` blocks the host until that copy finished and must be called before the optimizer
     (or `LayerStore.sync`) rewrites the compute copy. Conversely the trainer updates layer ``i`` before the next
-    step's forward fetches it (the optimizer runs in layer order; the executor's stage F0 waits for it).
+    step's forward fetches it, and before the forward of a resident layer ``i`` (``StreamHandle.fetch_guard``; Note:
+    [Update before fetch] in trainer.py). Test: the plan-space property test with ``optimizer_overlap``.
 
 Note: [Gradient memory outlives its D2H copy]
     A device gradient handed to `offload_grads` is dropped by the caller right after. ``record_stream(d2h)``
-    tells the caching allocator not to reuse its memory until the D2H stream passed the copy; the D2H stream first
-    waits for the compute stream, which produced the gradient.
+    tells the caching allocator not to reuse its memory until the D2H stream passed the copy (`Lane.hold`; the
+    simulated lane's job holds the tensor); the D2H lane first waits for the compute stream, which produced the
+    gradient. Test: the plan-space property test (gradients compared bit for bit).
 
 Note: [Host accumulators are read only after their copy landed]
     The first micro-batch after ``zero_grad`` copies straight into the pinned fp32 accumulator; later ones copy
     into a pinned staging buffer that the worker adds into the accumulator once the copy's event completed.
-    Everything that reads the accumulators (`StreamHandle.grads`, the optimizer, ``zero_grad``) calls
-    `synchronize` first, which waits for every pending event and drains the worker.
+    Everything that reads the accumulators (`StreamHandle.grads`, the optimizer's `LayerwiseUpdater.run`,
+    ``zero_grad``) calls `synchronize` first, which waits for every pending event and drains the worker. Test:
+    ``test_plan_space.py::test_updater_synchronizes_what_it_reads``.
 """
 
 from __future__ import annotations
@@ -47,8 +59,11 @@ import threading
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
+
+from ..streams import lanes_for
 
 
 @dataclass
@@ -60,8 +75,9 @@ class Slot:
     pooled: bool = True
     transient: bool = False  # allocated for one fetch and freed by `release` (embeddings, final norm, lm_head)
     owner: int | None = None  # layer currently bound to (or being fetched into) this slot
-    ready: torch.cuda.Event | None = None  # see Note: [Compute waits for the H2D event]
-    released: torch.cuda.Event | None = None  # see Note: [Slot reuse waits for the compute event]
+    ready: Any = None  # the lane event of the last copy into the slot; see Note: [Compute waits for the H2D event]
+    released: Any = None  # see Note: [Slot reuse waits for the compute event]
+    compute_open: bool = False  # bound by the compute side and not released since (no copy into it allowed)
 
     @property
     def nbytes(self) -> int:
@@ -86,6 +102,9 @@ class TransferEngine:
     def __init__(self, device: torch.device):
         self.device = torch.device(device)
         self.is_cuda = self.device.type == "cuda"
+        # None: synchronous CPU copies; else CUDA streams or the simulated asynchronous lanes
+        self.lanes = lanes_for(self.device, ("h2d", "d2h"), "transfer")
+        self.is_async = self.lanes is not None
         self.pools: dict[str, list[Slot]] = {}
         self._free: dict[str, list[Slot]] = {}
         self._slot_bytes: dict[str, int] = {}
@@ -93,11 +112,7 @@ class TransferEngine:
         self.grown: dict[str, int] = {}
         self._host_read: dict[int, torch.cuda.Event] = {}
         self._pending: list[torch.cuda.Event] = []
-        self._worker: _HostWorker | None = None
-        if self.is_cuda:
-            self.h2d_stream = torch.cuda.Stream(self.device)
-            self.d2h_stream = torch.cuda.Stream(self.device)
-            self._worker = _HostWorker()
+        self._worker: _HostWorker | None = _HostWorker() if self.is_async else None
         self.fetch_count = 0
         self.fetch_bytes = 0
 
@@ -109,9 +124,6 @@ class TransferEngine:
     def _new_slot(self, kind: str, nbytes: int, pooled: bool) -> Slot:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         slot = Slot(kind=kind, buffer=buf, pooled=pooled)
-        if self.is_cuda:
-            slot.ready = torch.cuda.Event()
-            slot.released = None
         self.by_ptr[slot.storage_ptr] = slot
         return slot
 
@@ -139,11 +151,9 @@ class TransferEngine:
         """
         slot = self._new_slot(kind, _align256(nbytes), False)
         slot.transient = True
-        if self.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            slot.released = ev
-            slot.buffer.record_stream(self.h2d_stream)
+        if self.is_async:
+            slot.released = self.lanes.compute_event()
+            self.lanes["h2d"].hold(slot.buffer)
         return slot
 
     def acquire(self, kind: str, urgent: bool) -> Slot | None:
@@ -167,10 +177,7 @@ class TransferEngine:
 
     def release(self, slot: Slot) -> None:
         """Hand a slot back to the pool. See Note: [Slot reuse waits for the compute event]."""
-        if self.is_cuda:
-            ev = torch.cuda.Event()
-            ev.record(torch.cuda.current_stream(self.device))
-            slot.released = ev
+        self.mark_released(slot)
         slot.owner = None
         if slot.transient:
             # Note: [Transient slots are stream-ordered allocations]
@@ -178,7 +185,18 @@ class TransferEngine:
             slot.buffer = slot.buffer.new_empty(0)
             return
         if slot.pooled:
+            if self.is_async:
+                self.lanes.poison_after(slot.buffer, slot.ready)  # Note: [Simulated copies poison their destination]
             self._free[slot.kind].append(slot)
+
+    def mark_released(self, slot: Slot) -> None:
+        """The compute side is done with what it queued on ``slot`` so far: a copy into it may follow.
+
+        See Note: [Slot reuse waits for the compute event].
+        """
+        if self.is_async:
+            slot.released = self.lanes.compute_event()
+        slot.compute_open = False
 
     @property
     def slot_bytes(self) -> int:
@@ -191,25 +209,30 @@ class TransferEngine:
         n = src_bytes.numel()
         if n > slot.nbytes:
             raise RuntimeError(f"layer {layer} needs {n} bytes but its {slot.kind!r} slot has {slot.nbytes}.")
+        if slot.compute_open:
+            raise RuntimeError(
+                f"lazytrain_hf streaming: a copy of layer {layer} into a {slot.kind!r} slot that the compute side "
+                "bound and has not released; it could overwrite weights queued kernels still read. See Note: [Slot "
+                "reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
+            )
         slot.owner = layer
         self.fetch_count += 1
         self.fetch_bytes += n
-        if not self.is_cuda:
-            slot.buffer.narrow(0, 0, n).copy_(src_bytes)
+        dst = slot.buffer.narrow(0, 0, n)
+        if not self.is_async:
+            dst.copy_(src_bytes)
             return
-        with torch.cuda.stream(self.h2d_stream):
-            # Note: [Slot reuse waits for the compute event]
-            if slot.released is not None:
-                self.h2d_stream.wait_event(slot.released)
-            slot.buffer.narrow(0, 0, n).copy_(src_bytes, non_blocking=True)
-            slot.ready.record(self.h2d_stream)
+        # Note: [Slot reuse waits for the compute event]
+        slot.ready = self.lanes["h2d"].copy(dst, src_bytes, after=(slot.released,))
         # Note: [Host compute copy is not rewritten while a fetch reads it]
         self._host_read[layer] = slot.ready
 
     def wait_ready(self, slot: Slot) -> None:
-        """Make the compute stream wait for the slot's fetch. See Note: [Compute waits for the H2D event]."""
-        if self.is_cuda:
-            torch.cuda.current_stream(self.device).wait_event(slot.ready)
+        """Make the compute stream wait for the slot's fetch before it uses the slot. See Note: [Compute waits for
+        the H2D event]."""
+        slot.compute_open = True
+        if self.is_async:
+            self.lanes.compute_wait(slot.ready)
 
     def wait_host_reads(self, layer: int) -> None:
         """Block until no fetch reads the host compute copy of ``layer``.
@@ -221,9 +244,9 @@ class TransferEngine:
             ev.synchronize()
 
     def upload(self, slot: Slot, src_bytes: torch.Tensor) -> None:
-        """Refresh a dedicated (resident) slot from the host after an optimizer step, ordered like a fetch."""
+        """Refresh a dedicated (resident) slot from the host after an optimizer step, ordered like a fetch: after
+        `mark_released`; the layer's next forward waits for it (`wait_ready`)."""
         self.copy_in(slot, src_bytes, slot.owner if slot.owner is not None else -1)
-        self.wait_ready(slot)
 
     # ------------------------------------------------------------------ D2H
     def offload_grads(
@@ -237,7 +260,7 @@ class TransferEngine:
 
         The caller may drop the device gradients right after this returns.
         """
-        if not self.is_cuda:
+        if not self.is_async:
             with torch.no_grad():
                 for dev, host in pairs:
                     if accumulate:
@@ -247,27 +270,28 @@ class TransferEngine:
             if after is not None:
                 after()
             return
-        compute = torch.cuda.current_stream(self.device)
-        self.d2h_stream.wait_stream(compute)  # the gradients were produced on the compute stream
+        lane = self.lanes["d2h"]
         staged: list[tuple[torch.Tensor, torch.Tensor]] = []
-        with torch.cuda.stream(self.d2h_stream), torch.no_grad():
-            for dev, host in pairs:
-                if accumulate:
-                    # Note: [Host accumulators are read only after their copy landed]
-                    buf = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=True)
-                    buf.copy_(dev, non_blocking=True)
-                    staged.append((buf, host))
-                else:
-                    host.copy_(dev, non_blocking=True)
-                dev.record_stream(self.d2h_stream)  # Note: [Gradient memory outlives its D2H copy]
-            ev = torch.cuda.Event()
-            ev.record(self.d2h_stream)
+        copies: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for dev, host in pairs:
+            if accumulate:
+                # Note: [Host accumulators are read only after their copy landed]
+                buf = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=self.is_cuda)
+                copies.append((buf, dev))
+                staged.append((buf, host))
+            else:
+                copies.append((host, dev))
+            lane.hold(dev)  # Note: [Gradient memory outlives its D2H copy]
+        # the gradients were produced on the compute stream
+        ev = lane.copy_all(copies, after_compute=True) if copies else None
         if not staged and after is None:
-            self._pending.append(ev)
+            if ev is not None:
+                self._pending.append(ev)
             return
 
         def work() -> None:
-            ev.synchronize()
+            if ev is not None:
+                ev.synchronize()
             with torch.no_grad():
                 for buf, host in staged:
                     host.add_(buf)
@@ -277,8 +301,8 @@ class TransferEngine:
         self._worker.submit(work)
 
     def synchronize(self) -> None:
-        """Wait for every pending copy and host-side accumulation (no-op on CPU)."""
-        if not self.is_cuda:
+        """Wait for every pending copy and host-side accumulation (no-op for synchronous CPU copies)."""
+        if not self.is_async:
             return
         for ev in self._pending:
             ev.synchronize()
@@ -290,6 +314,9 @@ class TransferEngine:
             self._worker.drain()
             self._worker.stop()
             self._worker = None
+        if self.lanes is not None:
+            self.lanes.synchronize()
+            self.lanes.close()
         self.pools.clear()
         self._free.clear()
         self.by_ptr.clear()

@@ -1,0 +1,328 @@
+"""Copy lanes of the executor: CUDA streams on a GPU, and the simulated asynchronous engine on the CPU.
+
+The transfer engine (`streaming/engine.py`) and the activation engine (`activations.py`) issue every asynchronous
+copy through a `Lane` and order work only through the events it returns:
+
+- ``lane.copy(dst, src, after=...)`` issues ``dst.copy_(src)`` on the lane after the events in ``after`` (and, with
+  ``after_compute=True``, after everything the compute stream queued so far) and returns the copy's event;
+- ``lanes.compute_wait(ev)`` makes the compute side wait for ``ev`` before its next use of the data;
+- ``lanes.compute_event()`` marks "the compute side is done with what it queued so far";
+- ``ev.synchronize()`` / ``ev.query()`` block the host on / poll one event.
+
+On CUDA a lane is a `torch.cuda.Stream`, events are `torch.cuda.Event`. On the CPU without simulation there are no
+lanes (the engines copy synchronously). With ``LAZYTRAIN_SIMULATE_ASYNC=1`` the CPU gets lanes too: each is one
+worker thread running its copies in issue order, each after a seeded random delay, and an event is set when its copy
+landed. The engines then run exactly the code paths they run on CUDA, and a wait that is missing shows as a wrong
+number instead of a pass:
+
+Note: [Simulated copies poison their destination]
+    A simulated copy fills its destination with NaN (all bytes 0xFF: NaN for fp32, bf16 and fp16) when it is
+    issued and writes the data only when it runs, so a read that does not wait for the copy's event sees NaN (or,
+    for a copy into memory that held the right values before, garbage) rather than the values. Buffers handed back
+    to a pool are poisoned the same way once their last copy completed (`poison_after`).
+
+Note: [Compute is synchronous in the simulation]
+    The simulated "device" is the CPU thread that drives autograd, so compute never lags behind the host: a
+    ``compute_event()`` is complete when it is made, and ``after_compute`` needs no wait. What this cannot show
+    (a copy racing kernels still queued on a GPU's compute stream) is guarded by a check instead: a slot may only be
+    overwritten after the compute side released it (`streaming/engine.py`, Note: [Slot reuse waits for the compute
+    event]), which the simulation enforces with an error.
+
+``LAZYTRAIN_SIMULATE_ASYNC_SEED`` (default 0) seeds the delays; ``LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY`` (seconds,
+default 0.002) bounds them.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import random
+import threading
+import time
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+
+SIMULATE_ENV = "LAZYTRAIN_SIMULATE_ASYNC"
+SEED_ENV = "LAZYTRAIN_SIMULATE_ASYNC_SEED"
+MAX_DELAY_ENV = "LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY"
+
+# Share of simulated jobs that run without any delay: a missing wait must also show when the copy is fast.
+_NO_DELAY_SHARE = 0.25
+
+
+def simulate_async() -> bool:
+    """Whether the CPU path simulates asynchronous lanes (``LAZYTRAIN_SIMULATE_ASYNC=1``)."""
+    value = os.environ.get(SIMULATE_ENV, "0").strip().lower()
+    if value in ("", "0", "false", "no", "off"):
+        return False
+    if value in ("1", "true", "yes", "on"):
+        return True
+    raise ValueError(
+        f"{SIMULATE_ENV}={value!r}: use 1 to simulate asynchronous copies on the CPU or 0 to copy inline."
+    )
+
+
+def _sim_seed() -> int:
+    raw = os.environ.get(SEED_ENV, "0")
+    try:
+        return int(raw)
+    except ValueError as e:
+        raise ValueError(f"{SEED_ENV}={raw!r} must be an integer seed.") from e
+
+
+def _sim_max_delay() -> float:
+    raw = os.environ.get(MAX_DELAY_ENV, "0.002")
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ValueError(f"{MAX_DELAY_ENV}={raw!r} must be a number of seconds (e.g. 0.002).") from e
+    if not 0 <= value <= 1:
+        raise ValueError(f"{MAX_DELAY_ENV}={raw!r} must be in [0, 1] seconds.")
+    return value
+
+
+def poison_(t: torch.Tensor) -> None:
+    """Fill ``t`` with a value no correct read can mistake for data (NaN bytes; -1 for integers)."""
+    if t.numel() == 0:
+        return
+    if t.dtype == torch.uint8:
+        t.fill_(0xFF)
+    elif t.is_floating_point():
+        t.fill_(float("nan"))
+    elif t.dtype != torch.bool:
+        t.fill_(-1)
+
+
+def poison_after(t: torch.Tensor, ev: Any) -> None:
+    """Poison ``t`` once the simulated copy ``ev`` completed (now when ``ev`` is None or a finished event)."""
+    if isinstance(ev, SimEvent):
+        ev.then(lambda: poison_(t))
+    else:
+        poison_(t)
+
+
+class SimDelay:
+    """Seeded random delays of one simulated worker (a lane, the optimizer's thread)."""
+
+    def __init__(self, name: str):
+        self._rng = random.Random(f"{_sim_seed()}:{name}")
+        self._max = _sim_max_delay()
+        self._lock = threading.Lock()
+
+    def sleep(self) -> None:
+        with self._lock:
+            r = self._rng.random()
+            d = 0.0 if r < _NO_DELAY_SHARE else self._rng.uniform(0.0, self._max)
+        if d > 0:
+            time.sleep(d)
+
+
+class SimEvent:
+    """Completion of one simulated job; the same calls as `torch.cuda.Event` that the engines use."""
+
+    __slots__ = ("_done", "_error", "_callbacks", "_lock")
+
+    def __init__(self, done: bool = False):
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+        self._callbacks: list[Callable[[], None]] = []
+        self._lock = threading.Lock()
+        if done:
+            self._done.set()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def synchronize(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise RuntimeError("a simulated asynchronous copy failed") from self._error
+
+    def _finish(self, error: BaseException | None = None) -> None:
+        # callbacks run before the event reads as done: a pool buffer is poisoned before `get` can hand it out
+        self._error = error
+        while True:
+            with self._lock:
+                callbacks, self._callbacks = self._callbacks, []
+                if not callbacks:
+                    self._done.set()
+                    return
+            for fn in callbacks:
+                fn()
+
+    def then(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` once the event completed (now, when it already has)."""
+        with self._lock:
+            if not self._done.is_set():
+                self._callbacks.append(fn)
+                return
+        fn()
+
+    def __repr__(self) -> str:
+        return f"SimEvent(done={self.query()})"
+
+
+class SimLane:
+    """A simulated stream: one worker thread running its jobs in issue order, each after a random delay."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self._delay = SimDelay(name)
+        self._q: queue.Queue[tuple[Callable[[], None], list[Any], SimEvent] | None] = queue.Queue()
+        self._last = SimEvent(done=True)
+        self._thread = threading.Thread(target=self._run, name=f"lazytrain-sim-{name}", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._q.get()
+            if item is None:
+                return
+            fn, after, ev = item
+            error = None
+            try:
+                for e in after:
+                    e.synchronize()
+                self._delay.sleep()
+                fn()
+            except BaseException as e:  # re-raised by whoever waits on the event
+                error = e
+            ev._finish(error)
+
+    def submit(self, fn: Callable[[], None], after: Iterable[Any] = ()) -> SimEvent:
+        ev = SimEvent()
+        self._q.put((fn, [e for e in after if e is not None], ev))
+        self._last = ev
+        return ev
+
+    def copy_all(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Iterable[Any] = (), after_compute: bool = False
+    ) -> SimEvent:
+        """Issue ``dst.copy_(src)`` for each pair, as one job; the event of the last. Note: [Simulated copies poison
+        their destination]. ``after_compute`` needs no wait (Note: [Compute is synchronous in the simulation])."""
+        for dst, _ in pairs:
+            poison_(dst)
+
+        def run() -> None:
+            with torch.no_grad():
+                for dst, src in pairs:
+                    dst.copy_(src)
+
+        return self.submit(run, after)
+
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Any] = (), after_compute: bool = False
+    ) -> Any:
+        return self.copy_all([(dst, src)], after, after_compute)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Keep ``t``'s memory until the lane's copies that read it ran: the copy's closure already holds it."""
+
+    def synchronize(self) -> None:
+        self._last.synchronize()
+
+    def close(self) -> None:
+        self._q.put(None)
+        self._thread.join(timeout=10)
+
+
+class CudaLane:
+    """A CUDA stream used as a copy lane."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.stream = torch.cuda.Stream(device)
+
+    def copy_all(
+        self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Iterable[Any] = (), after_compute: bool = False
+    ) -> Any:
+        """Issue ``dst.copy_(src, non_blocking=True)`` for each pair on the stream; the event after the last."""
+        with torch.cuda.device(self.device):
+            if after_compute:
+                self.stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(self.stream):
+                for e in after:
+                    if e is not None:
+                        self.stream.wait_event(e)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
+                ev = torch.cuda.Event()
+                ev.record(self.stream)
+        return ev
+
+    def copy(
+        self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Any] = (), after_compute: bool = False
+    ) -> Any:
+        return self.copy_all([(dst, src)], after, after_compute)
+
+    def hold(self, t: torch.Tensor) -> None:
+        """Tell the caching allocator that ``t`` is in use by this stream's queued copies."""
+        t.record_stream(self.stream)
+
+    def synchronize(self) -> None:
+        self.stream.synchronize()
+
+    def close(self) -> None:
+        pass
+
+
+class Lanes:
+    """The copy lanes of one engine and the compute side's view of their events.
+
+    Args:
+        device: the compute device.
+        names: the lanes to create (e.g. ``("h2d", "d2h")``).
+        owner: a name for the simulated threads (their delays are seeded by it).
+    """
+
+    def __init__(self, device: torch.device, names: Iterable[str], owner: str):
+        self.device = torch.device(device)
+        self.simulated = self.device.type != "cuda"
+        self.lanes: dict[str, SimLane | CudaLane] = {
+            n: SimLane(f"{owner}-{n}") if self.simulated else CudaLane(self.device) for n in names
+        }
+
+    def __getitem__(self, name: str) -> SimLane | CudaLane:
+        return self.lanes[name]
+
+    def compute_wait(self, ev: Any) -> None:
+        """The compute side waits for ``ev`` before it next touches the copied data."""
+        if ev is None:
+            return
+        if self.simulated:
+            ev.synchronize()
+        else:
+            torch.cuda.current_stream(self.device).wait_event(ev)
+
+    def compute_event(self) -> Any:
+        """An event that completes once the compute side has run everything queued so far."""
+        if self.simulated:
+            return SimEvent(done=True)  # Note: [Compute is synchronous in the simulation]
+        ev = torch.cuda.Event()
+        ev.record(torch.cuda.current_stream(self.device))
+        return ev
+
+    def poison_after(self, t: torch.Tensor, ev: Any) -> None:
+        """Simulation only: poison a buffer handed back to a pool once its last copy ``ev`` completed."""
+        if self.simulated:
+            poison_after(t, ev)
+
+    def synchronize(self) -> None:
+        for lane in self.lanes.values():
+            lane.synchronize()
+
+    def close(self) -> None:
+        for lane in self.lanes.values():
+            lane.close()
+        self.lanes.clear()
+
+
+def lanes_for(device: torch.device, names: Iterable[str], owner: str) -> Lanes | None:
+    """CUDA streams on a GPU, simulated lanes on the CPU under ``LAZYTRAIN_SIMULATE_ASYNC=1``, else ``None``
+    (synchronous CPU copies)."""
+    device = torch.device(device)
+    if device.type == "cuda" or simulate_async():
+        return Lanes(device, names, owner)
+    return None
