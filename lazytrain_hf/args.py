@@ -11,6 +11,7 @@ from transformers import TrainingArguments
 from .planner.plan import INPUT_TIERS
 from .units import parse_bytes
 
+PLAN_FILE = "lazytrain_plan.json"  # the plan next to a checkpoint (also written to output_dir)
 PLANNER_POLICIES = ("milp", "megatrain", "keep_all", "all_recompute", "cpu_offload_inputs", "default")
 SOLVERS = ("auto", "cbc", "highs")
 
@@ -45,6 +46,10 @@ class LazyTrainingArguments(TrainingArguments):
         that fits, and train with it (overrides `per_device_train_batch_size`).
     planner_max_batch_size (`int`, defaults to `256`): upper end of that search.
     planner_warmup_steps (`int`, defaults to `2`): timed warm-up steps that measure per-layer costs before solving.
+    planner_plan (`str`, *optional*): a Plan JSON file (as `lazytrain plan --save` writes it, or a checkpoint's
+        `lazytrain_plan.json`; a checkpoint directory works too) that `train()` executes as is: no hardware profile,
+        warm-up or solve. It must match the model (layer count and kinds) and `per_device_train_batch_size`; its
+        `optimizer_overlap` is honoured on any device unless `optim_overlap_forward` is set.
 
     > Activations (`lazytrain_hf.activations`)
 
@@ -104,6 +109,13 @@ class LazyTrainingArguments(TrainingArguments):
     planner_warmup_steps: int = field(
         default=2, metadata={"help": "Timed warm-up steps measuring per-layer costs before the plan is solved."}
     )
+    planner_plan: str | None = field(
+        default=None,
+        metadata={
+            "help": "Plan JSON to execute as is (from `lazytrain plan --save` or a checkpoint's lazytrain_plan.json): "
+            "no profile, warm-up or solve."
+        },
+    )
 
     # ----------------------------------------------------------------- activations
     activation_tiers: list[str] = field(
@@ -153,6 +165,8 @@ class LazyTrainingArguments(TrainingArguments):
             raise ValueError(f"planner_max_batch_size={self.planner_max_batch_size} must be >= 1.")
         if self.planner_warmup_steps < 0:
             raise ValueError(f"planner_warmup_steps={self.planner_warmup_steps} must be >= 0.")
+        if self.planner_plan is not None:
+            self.planner_plan = resolve_plan_path(self.planner_plan)
 
         # "gpu,cpu", ["gpu,cpu"] and ["gpu", "cpu"] all mean the same (the command line gives the middle form)
         tiers = [self.activation_tiers] if isinstance(self.activation_tiers, str) else list(self.activation_tiers)
@@ -207,6 +221,33 @@ class LazyTrainingArguments(TrainingArguments):
         # TrainingArguments.__post_init__ rewrites some fields (enums, derived paths); re-run it from the originals.
         values.update(overrides)
         return cls(**_originals(args, values))
+
+
+def resolve_plan_path(path: str) -> str:
+    """The plan file ``planner_plan`` names (a checkpoint directory stands for its ``lazytrain_plan.json``), checked
+    to parse as a `Plan`; ValueError naming the option, the value and the fix otherwise."""
+    from .planner.plan import Plan, PlanError
+
+    if not isinstance(path, str | os.PathLike) or not str(path):
+        raise ValueError(
+            f"planner_plan={path!r} must be the path of a Plan JSON file; write one with "
+            "`lazytrain plan --model ... --save plan.json`."
+        )
+    resolved = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.isdir(resolved):
+        resolved = os.path.join(resolved, PLAN_FILE)
+    if not os.path.isfile(resolved):
+        raise ValueError(
+            f"planner_plan={path!r}: no plan file at {resolved}; pass a file written by `lazytrain plan --save` or "
+            f"a checkpoint's {PLAN_FILE}."
+        )
+    try:
+        Plan.from_json(resolved)
+    except (PlanError, OSError, UnicodeDecodeError) as e:
+        raise ValueError(
+            f"planner_plan={path!r} is not a valid plan ({e}); write it again with `lazytrain plan --save`."
+        ) from e
+    return resolved
 
 
 def _originals(args: TrainingArguments, values: dict) -> dict:

@@ -35,13 +35,13 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
 from . import models
-from .args import LazyTrainingArguments
+from .args import PLAN_FILE, LazyTrainingArguments
+from .streams import SimDelay, simulate_async
 from .units import format_bytes
 
 logger = logging.get_logger(__name__)
 
 STAGING_PREFIX = ".staging-"
-PLAN_FILE = "lazytrain_plan.json"
 MASTER_FILE = "lazytrain_master.safetensors"
 TIMELINE_FILE = "lazytrain_timeline.png"
 
@@ -88,6 +88,7 @@ class LazyTrainer(Trainer):
         self._step_t0: float | None = None
         self._window = {"tokens": 0, "last_step": 0}
         self._n_params: int | None = None
+        self._plan_from_file = False
 
     # ------------------------------------------------------------------ train()
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
@@ -112,6 +113,12 @@ class LazyTrainer(Trainer):
             plan = read_plan(checkpoint)
             if plan is not None:
                 self.lazy_plan = plan
+                if self.args.planner_auto_batch_size:
+                    self._adopt_batch_size(plan)  # the batch size the plan chose when training started
+                self.check_plan_fits(plan, where=checkpoint, check_batch=False)
+        if plan is None and self.args.planner_plan is not None:
+            plan = self.load_plan_file(self.args.planner_plan)
+            self.check_plan_fits(plan, where=self.args.planner_plan)
         if plan is None:
             plan = self.make_plan()
         self.check_host_memory(plan)  # before the host store allocates anything
@@ -145,6 +152,52 @@ class LazyTrainer(Trainer):
                 self.optimizer = None
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
+
+    def load_plan_file(self, path: str):
+        """The plan `planner_plan` names, executed as is (no profile, warm-up or solve); saved to output_dir."""
+        from .planner.plan import Plan
+
+        plan = Plan.from_json(path)
+        self._plan_from_file = True
+        self.lazy_plan = plan
+        if self.args.should_save:
+            os.makedirs(self.args.output_dir, exist_ok=True)
+            _atomic_write_text(os.path.join(self.args.output_dir, PLAN_FILE), plan.to_json())
+        return plan
+
+    def check_plan_fits(self, plan, where: str | None = None, check_batch: bool = True) -> None:
+        """Refuse, before anything is attached, a plan made for another model or (``check_batch``) another
+        micro-batch size, or one that needs a directory the arguments do not give."""
+        base = _unwrap_base(self.model)
+        kinds = models.layer_kinds(base.config)
+        src = f"the plan from {where}" if where else "the plan"
+        fix = (
+            "make a plan for this model and batch (`lazytrain plan --model <config.json> --batch-size N --save "
+            "plan.json`) or drop planner_plan to plan at train() start"
+        )
+        if plan.num_layers != len(kinds):
+            raise ValueError(
+                f"{src}: field `layers` has {plan.num_layers} entries but the model has {len(kinds)} decoder layers; "
+                f"{fix}."
+            )
+        for lp, kind in zip(plan.layers, kinds):
+            if lp.kind != kind:
+                raise ValueError(
+                    f"{src}: field `layers[{lp.index}].kind` is {lp.kind!r} but the model's layer {lp.index} is "
+                    f"{kind!r}; {fix}."
+                )
+        if check_batch and plan.micro_batch_size != self.args.per_device_train_batch_size:
+            raise ValueError(
+                f"{src}: field `micro_batch_size` is {plan.micro_batch_size} but per_device_train_batch_size is "
+                f"{self.args.per_device_train_batch_size}; set per_device_train_batch_size={plan.micro_batch_size} "
+                f"or {fix}."
+            )
+        nvme = [lp.index for lp in plan.layers if lp.tier == "nvme"]
+        if nvme and not self.args.activation_nvme_dir:
+            raise ValueError(
+                f"{src}: layers {nvme} keep activations on the nvme tier but activation_nvme_dir is not set; pass "
+                "activation_nvme_dir=/path/on/fast/disk or use a plan without the nvme tier."
+            )
 
     def check_host_memory(self, plan) -> None:
         """Refuse, before anything is allocated, a run whose host store, optimizer state and pinned activation
@@ -409,13 +462,18 @@ class LazyTrainer(Trainer):
         plan.loss_chunk_tokens = a.stream_loss_chunk_tokens
         plan.stream_embeddings = plan.stream_embeddings or a.stream_embeddings
         plan.model = plan.model or config.model_type
-        if a.planner_auto_batch_size and plan.micro_batch_size != a.per_device_train_batch_size:
-            logger.warning(f"planner_auto_batch_size: training with micro-batch size {plan.micro_batch_size}.")
-            a.per_device_train_batch_size = plan.micro_batch_size
-            self._train_batch_size = a.train_batch_size
+        if a.planner_auto_batch_size:
+            self._adopt_batch_size(plan)
         self.lazy_plan = plan
         self._save_plan(plan, cm)
         return plan
+
+    def _adopt_batch_size(self, plan) -> None:
+        a = self.args
+        if plan.micro_batch_size != a.per_device_train_batch_size:
+            logger.warning(f"planner_auto_batch_size: training with micro-batch size {plan.micro_batch_size}.")
+            a.per_device_train_batch_size = plan.micro_batch_size
+            self._train_batch_size = a.train_batch_size
 
     def _save_plan(self, plan, cost_model) -> None:
         if not self.args.should_save:
@@ -443,8 +501,6 @@ class LazyTrainer(Trainer):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        if self._updater is not None:
-            self._updater.wait_resident()  # the embedding is needed first; layers wait in the fetch guard
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")
@@ -499,6 +555,8 @@ class LazyTrainer(Trainer):
     def _overlap_enabled(self) -> bool:
         if self.args.optim_overlap_forward is not None:
             return bool(self.args.optim_overlap_forward)
+        if self._plan_from_file and self.lazy_plan is not None:
+            return bool(self.lazy_plan.optimizer_overlap)  # executed as is (planner_plan)
         plan_ok = self.lazy_plan is None or self.lazy_plan.optimizer_overlap
         return plan_ok and self.args.device.type == "cuda"
 
@@ -691,11 +749,23 @@ class LayerwiseUpdater:
 
     Note: [Update before fetch]
         The executor calls `wait_layer(i)` (its ``fetch_guard``) before any fetch of layer ``i`` reads the host
-        compute copy, and the trainer calls `wait_resident()` before a forward: nothing reads a weight before its
-        update of the previous step is complete. Hyperparameters (lr, betas, eps, weight decay) are frozen when
-        `run()` is called, so an LR scheduler stepping while the thread works does not change this step's update.
-        Gradients are taken over at `run()` (resident ones detached from the parameters, streamed ones read from
-        host buffers the next backward only writes after the next forward, which waits for every layer).
+        compute copy and before every forward of a plan-resident layer ``i`` (whose dedicated slot the update
+        re-uploads), and `wait_resident()` (its ``resident_guard``) when any forward begins (training, evaluation,
+        prediction, generation): nothing reads a weight before its update of the previous step is complete.
+        Hyperparameters (lr, betas, eps, weight decay) are frozen when `run()` is called, so an LR scheduler stepping
+        while the thread works does not change this step's update. Gradients are taken over at `run()`, after
+        `StreamHandle.synchronize` (Note: [Host accumulators are read only after their copy landed] in
+        streaming/engine.py): resident ones detached from the parameters, streamed ones read from host buffers the
+        next backward only writes after the next forward, which waits for every layer. `run()` also marks the
+        resident slots released (the step's compute is queued), so the uploads are ordered after it. Tests:
+        ``tests/test_plan_space.py`` (the property test with ``optimizer_overlap`` and resident layers under the
+        simulated asynchronous engine, and one regression test per guard).
+
+    Note: [The compute copy is written in the fused pass]
+        For a layer whose trainable compute copy is bf16 (and not the master itself), the fused optimizer pass
+        writes the bf16 weights straight into the host compute copy (``out_bf16``), so no second pass over the layer
+        (`LayerStore.sync`) follows. The write waits for fetches still reading the compute copy first (Note: [Host
+        compute copy is not rewritten while a fetch reads it] in streaming/engine.py).
     """
 
     def __init__(self, handle, overlap: bool = False):
@@ -713,6 +783,12 @@ class LayerwiseUpdater:
             direct = p.device.type == "cpu" and p.dtype == torch.float32
             self.resident.append((name, p, p.detach() if direct else p.detach().to("cpu", torch.float32).clone()))
         self._aliased = {id(m) for _, p, m in self.resident if m.data_ptr() == p.data_ptr()}
+        # Note: [The compute copy is written in the fused pass]: per layer, its bf16 compute views (or None)
+        self._outs: dict[int, list[torch.Tensor] | None] = {}
+        for i, entries in self.layers.items():
+            ls = handle.store.layers[i]
+            fused = not ls.aliased and all(e.dtype == torch.bfloat16 for e in ls.trainable_entries)
+            self._outs[i] = [ls.compute_views[name] for name, _, _ in entries] if fused else None
         self._events = {i: threading.Event() for i in self.layers}
         self._resident_done = threading.Event()
         for ev in [*self._events.values(), self._resident_done]:
@@ -721,7 +797,10 @@ class LayerwiseUpdater:
         self._error: BaseException | None = None
         self.optimizer: torch.optim.Optimizer | None = None
         self._where: dict[int, tuple[int, int]] = {}
+        # LAZYTRAIN_SIMULATE_ASYNC=1: the background update lags by seeded random delays (lazytrain_hf.streams)
+        self._delay = SimDelay("optimizer") if overlap and simulate_async() else None
         handle.fetch_guard = self.wait_layer
+        handle.resident_guard = self.wait_resident
 
     def named_masters(self) -> list[tuple[str, torch.Tensor]]:
         out = [(name, master) for name, _, master in self.resident]
@@ -738,6 +817,8 @@ class LayerwiseUpdater:
     # ------------------------------------------------------------------ running
     def run(self, clip_coef: float | None) -> None:
         self.wait_all()
+        self.handle.synchronize()  # Note: [Update before fetch]: the host accumulators are complete
+        self.handle.mark_resident_released()
         opt = self.optimizer
         frozen = [{k: v for k, v in g.items()} for g in opt.param_groups]
         # take the gradients over now (Note: [Update before fetch])
@@ -764,14 +845,24 @@ class LayerwiseUpdater:
         else:
             self._work(*work)
             self._raise()
+            self.handle.wait_uploads()  # the model reads as updated once the step returns
 
-    def _update(self, frozen: list[dict], params: list[torch.Tensor], clip: float | None) -> None:
+    def _update(
+        self, frozen: list[dict], params: list[torch.Tensor], clip: float | None, outs: list | None = None
+    ) -> bool:
+        """One fused pass per tensor; ``outs`` (one bf16 view per tensor) receive the compute copy. Returns whether
+        every tensor's compute copy was written (all had a gradient)."""
         opt = self.optimizer
-        for p in params:
+        if self._delay is not None:
+            self._delay.sleep()
+        written = outs is not None
+        for k, p in enumerate(params):
             if p.grad is None:
+                written = False
                 continue
-            gi, k = self._where[id(p)]
-            opt._update(p, frozen[gi], k, 1.0 if clip is None else float(clip), None)  # one fused pass per tensor
+            gi, j = self._where[id(p)]
+            opt._update(p, frozen[gi], j, 1.0 if clip is None else float(clip), None if outs is None else outs[k])
+        return written
 
     def _work(self, frozen, resident, layers, clip) -> None:
         try:
@@ -783,10 +874,13 @@ class LayerwiseUpdater:
                     master.grad = None
                 self._resident_done.set()
                 for i, params in layers:
-                    self._update(frozen, params, clip)
+                    outs = self._outs[i]
+                    if outs is not None:
+                        self.handle.engine.wait_host_reads(i)  # Note: [The compute copy is written in the fused pass]
+                    written = self._update(frozen, params, clip, outs)
                     for m in params:
                         m.grad = None
-                    self.handle.sync_compute(i)
+                    self.handle.sync_compute(i, compute_written=written)
                     self._events[i].set()
         except BaseException as e:  # surfaced to the training thread by the next wait
             self._error = e
@@ -815,6 +909,8 @@ class LayerwiseUpdater:
         if self._thread is not None:
             self._thread.join()
             self._thread = None
+            self._raise()
+            self.handle.wait_uploads()
         self._raise()
 
     def close(self) -> None:
@@ -822,6 +918,7 @@ class LayerwiseUpdater:
             self.wait_all()
         finally:
             self.handle.fetch_guard = None
+            self.handle.resident_guard = None
 
 
 # ---------------------------------------------------------------------- helpers

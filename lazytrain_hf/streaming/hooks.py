@@ -206,9 +206,13 @@ class StreamHandle:
         self.sq_norms: dict[int, torch.Tensor] = {}
         # an OrderedDict (not a dict) so RemovableHandle can hold a weak reference to it
         self._callbacks: OrderedDict[int, Callable[[int, dict[str, torch.Tensor]], None]] = OrderedDict()
-        # Called as fetch_guard(layer) before any fetch of a layer reads its host compute copy; the trainer uses it
-        # to make a fetch wait for that layer's optimizer update (Note: [Update before fetch] in trainer.py).
+        # Called as fetch_guard(layer) before any fetch of a layer reads its host compute copy and before every
+        # forward of a resident layer; the trainer uses it to make both wait for that layer's optimizer update
+        # (Note: [Update before fetch] in trainer.py).
         self.fetch_guard: Callable[[int], None] | None = None
+        # Called as resident_guard() when a forward begins: the trainer makes it wait for the update of the
+        # parameters that are not streamed (embeddings, final norm, lm_head, adapters), which the forward reads first.
+        self.resident_guard: Callable[[], None] | None = None
         # Called as grad_reducer(layer, grads) on a layer's complete device gradients (one tensor per trainable
         # parameter, in a fixed order, zeros where a parameter got none) before their norm is taken and they are
         # offloaded: data parallel all-reduces here, so norms and host accumulators see the reduced gradient.
@@ -228,6 +232,11 @@ class StreamHandle:
         self._loss_stats: dict[str, int] = {}
         self._embed_began = False  # the embedding's pre-hook began this step (layer 0 must not begin another)
         self._loss_peak = 0
+
+        # ---- phase 0: the activation engine first: its checks (NVMe directory, ...) fail before the model is touched
+        if activation_engine is None:
+            activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
+        self.activations = activation_engine
 
         layers = models.decoder_layers(self.root)
         self.num_layers = len(layers)
@@ -321,10 +330,7 @@ class StreamHandle:
         self._buffer_bytes = sum(b.numel() * b.element_size() for b in model.buffers())
         self._resident_ptrs = {p.untyped_storage().data_ptr() for _, p, _ in self._resident}
 
-        # ---- phase 4: activation engine and hooks ----
-        if activation_engine is None:
-            activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
-        self.activations = activation_engine
+        # ---- phase 4: hooks ----
         for st in self._layers:
             self._hooks.append(st.module.register_forward_pre_hook(self._make_pre_hook(st.index), with_kwargs=True))
             self._hooks.append(
@@ -334,6 +340,10 @@ class StreamHandle:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(st.index)))
         if plan.stream_embeddings:
             self._install_unit_hooks()
+        else:
+            self._hooks.append(
+                models.embed_tokens(self.root).register_forward_pre_hook(lambda *_: self._wait_resident_params())
+            )
         self._account()
 
     # ================================================================== repr
@@ -472,7 +482,12 @@ class StreamHandle:
                 self._issue(what, i)
 
     # ================================================================== step bookkeeping
+    def _wait_resident_params(self) -> None:
+        if self.resident_guard is not None:
+            self.resident_guard()
+
     def _begin_step(self) -> None:
+        self._wait_resident_params()
         if self._phase != "idle":
             self._abort_step()
         self._step_id += 1
@@ -641,8 +656,13 @@ class StreamHandle:
             self._begin_step()
         self._embed_began = False
         self._run_stages(i)
-        self._bind(i)
         st = self._all[i]
+        if st.resident and st.slot is not None:
+            # Note: [Update before fetch]: the optimizer's upload of the previous step rewrites the dedicated slot
+            if self.fetch_guard is not None:
+                self.fetch_guard(i)
+            self.engine.wait_ready(st.slot)  # Note: [Compute waits for the H2D event]
+        self._bind(i)
         if self._grad_step and torch.is_grad_enabled():
             step = self._step_id
             if args and isinstance(args[0], torch.Tensor):
@@ -974,9 +994,26 @@ class StreamHandle:
         return math.sqrt(sum(self.grad_sq_norms().values()))
 
     # ================================================================== optimizer side
-    def sync_compute(self, layer: int | None = None) -> None:
+    def mark_resident_released(self) -> None:
+        """The step's compute is queued: the optimizer's uploads into resident slots may follow it (call on the
+        training thread after backward). See Note: [Slot reuse waits for the compute event] in engine.py."""
+        for st in self._layers:
+            if st.resident and st.slot is not None:
+                self.engine.mark_released(st.slot)
+
+    def wait_uploads(self) -> None:
+        """Make the compute side wait for the optimizer's uploads into resident slots, so that anything reading the
+        model's weights next (a callback, a checkpoint, evaluation) sees the updated values. See Note: [Compute
+        waits for the H2D event] in engine.py."""
+        for st in self._layers:
+            if st.resident and st.slot is not None:
+                self.engine.wait_ready(st.slot)
+
+    def sync_compute(self, layer: int | None = None, compute_written: bool = False) -> None:
         """Refresh the compute copy (and the device copy of plan-resident layers) from the fp32 master after the
-        optimizer changed it; ``layer=None`` does all layers."""
+        optimizer changed it; ``layer=None`` does all layers. ``compute_written``: the optimizer already wrote the
+        host compute copy (``out_bf16``, after `TransferEngine.wait_host_reads`); only the resident upload is left.
+        """
         idx = list(self.store.layers) if layer is None else [layer]
         for i in idx:
             if i not in self.store.layers:
@@ -984,9 +1021,10 @@ class StreamHandle:
                     f"sync_compute(layer={i}): layer {i} has no streamed parameters; valid: "
                     f"{sorted(self.store.layers)}."
                 )
-            self.engine.wait_host_reads(i)  # Note: [Host compute copy is not rewritten while a fetch reads it]
             ls = self.store.layers[i]
-            ls.sync()
+            if not compute_written:
+                self.engine.wait_host_reads(i)  # Note: [Host compute copy is not rewritten while a fetch reads it]
+                ls.sync()
             st = self._all[i]
             if st.resident:
                 self.engine.upload(st.slot, ls.compute_bytes)
