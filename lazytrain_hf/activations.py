@@ -35,6 +35,23 @@ under any policy vector.
 
 `attach_standalone` installs the hooks an executor would on an ordinary (un-streamed) HF model; the tests use it to
 compare against plain autograd.
+
+The Notes below and the tests that exercise them (every test runs under the simulated asynchronous engine of
+`lazytrain_hf.streams` unless marked ``sync_engine``, so a missing wait shows as NaN or a wrong gradient):
+
+| Note | tests |
+| --- | --- |
+| [D2H waits for the producer], [Offload source stays alive until its copy completes] | ``test_activations.py::test_policy_vector_bit_exact``, ``test_activations_property.py``, ``test_plan_space.py`` |
+| [Reload waits for the offload copy], [H2D waits for the block's previous users] | the same (a reload issued before its offload copy landed reads the poisoned host buffer) |
+| [Pool buffers carry their last copy] | ``test_policy_vector_bit_exact``, ``test_host_pool_does_not_grow_after_first_step`` (a buffer reused before its copy finished is poisoned) |
+| [Saved tensors are restored with their layout] | ``test_saved_tensor_round_trip_layout`` |
+| [Saved tensors are not written in place while their copy runs] | ``test_modified_storage_is_copied_again`` (synchronous engine) |
+| [Pool buffers are keyed by rounded size] | ``test_host_pool_buckets_and_reuse``, ``test_host_pool_does_not_grow_after_first_step`` |
+| [Offloaded storages are copied once] | ``test_views_of_one_storage_are_copied_once`` |
+| [Weights are never offloaded] | ``test_param_packer_references_weights`` |
+| [Spill files never outlive the process] | ``test_spill_files_*``, ``test_activations_process.py`` |
+| [Recompute replays RNG and autocast state] | ``test_recompute_with_dropout_matches_keep``, ``test_recompute_leaves_training_rng_and_module_hooks_alone`` |
+| [Recompute serves tensors by index, per backward], [Block recomputation] | ``test_retain_graph_second_backward``, ``test_block_recompute.py``, ``test_plan_space.py`` (``checkpoint_every``) |
 """
 
 from __future__ import annotations

@@ -48,8 +48,10 @@ SIMULATE_ENV = "LAZYTRAIN_SIMULATE_ASYNC"
 SEED_ENV = "LAZYTRAIN_SIMULATE_ASYNC_SEED"
 MAX_DELAY_ENV = "LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY"
 
-# Share of simulated jobs that run without any delay: a missing wait must also show when the copy is fast.
+# Shares of simulated jobs that run without any delay (a missing wait must also show when the copy is fast) and that
+# stall their lane for up to 10x the usual bound (a copy issued long before its use must still be waited for).
 _NO_DELAY_SHARE = 0.25
+_STALL_SHARE = 0.05
 
 
 def simulate_async() -> bool:
@@ -114,7 +116,12 @@ class SimDelay:
     def sleep(self) -> None:
         with self._lock:
             r = self._rng.random()
-            d = 0.0 if r < _NO_DELAY_SHARE else self._rng.uniform(0.0, self._max)
+            if r < _NO_DELAY_SHARE:
+                d = 0.0
+            elif r < _NO_DELAY_SHARE + _STALL_SHARE:
+                d = self._rng.uniform(self._max, 10 * self._max)
+            else:
+                d = self._rng.uniform(0.0, self._max)
         if d > 0:
             time.sleep(d)
 
