@@ -49,23 +49,27 @@ def test_dynamic_map_equals_bitsandbytes(signed):
 
 @pytest.mark.parametrize("signed", [True, False])
 def test_lookup_gives_nearest_code(signed):
-    """Bucket table + one comparison == bucketize over the fp32 midpoints (bitsandbytes' rule) == nearest code.
+    """Bucket table + one comparison == bucketize over the fp32 midpoints == nearest code, except that the unsigned
+    map gives every positive value a non-zero code (Note: [A non-zero second moment keeps a non-zero code]).
 
     Nearest up to the rounding of the fp32 midpoints themselves: where a value sits within an ulp of a midpoint the
     two neighbouring codes are equally near to float precision.
     """
     lk = dynamic_lookup(signed)
+    assert lk.keep_nonzero == (not signed)
     cmap = torch.from_numpy(lk.code_map.copy())
     mids = lk.mids_t
+    nearest_mids = (cmap[:-1] + cmap[1:]) / 2  # bitsandbytes' midpoints
     lo = -1.0 if signed else 0.0
     x = torch.cat(
         [
             torch.rand(200_000, generator=torch.Generator().manual_seed(1)) * (1 - lo) + lo,
             _moment_like(100_000, signed).clamp(lo, 1.0),
-            mids,  # exact ties
-            torch.nextafter(mids, torch.full_like(mids, 2.0)),
-            torch.nextafter(mids, torch.full_like(mids, -2.0)),
+            nearest_mids,  # exact ties
+            torch.nextafter(nearest_mids, torch.full_like(nearest_mids, 2.0)),
+            torch.nextafter(nearest_mids, torch.full_like(nearest_mids, -2.0)),
             cmap,
+            torch.tensor([0.0, -0.0, 1e-45, 1e-40, 1e-20, 1e-9, 1.6e-7]),  # zero, denormals, below code_map[1] / 2
         ]
     ).clamp(lo, 1.0)
     bits = x.view(torch.int32).numpy().view("uint32") >> 15
@@ -76,7 +80,22 @@ def test_lookup_gives_nearest_code(signed):
     dist = (x[:, None].double() - cmap[None, :].double()).abs()
     chosen = dist.gather(1, codes[:, None]).squeeze(1)
     ulp = torch.finfo(torch.float32).eps * x.abs().double().clamp(min=1e-30)
-    assert (chosen <= dist.min(dim=1).values + ulp).all()
+    rounded_up = (x > 0) & (x <= nearest_mids[0]) if not signed else torch.zeros_like(x, dtype=torch.bool)
+    assert (chosen <= dist.min(dim=1).values + ulp)[~rounded_up].all()
+    if not signed:
+        assert rounded_up.sum() >= 5 and codes[rounded_up].eq(1).all()  # the smallest non-zero code, not 0
+        assert codes[x == 0].eq(0).all()
+        # Nearest everywhere else: the same codes as bitsandbytes' midpoints.
+        assert torch.equal(codes[~rounded_up], torch.bucketize(x, nearest_mids)[~rounded_up])
+
+
+def test_keep_nonzero_needs_an_unsigned_map():
+    from lazytrain_hf.optim.quant import CodeLookup
+
+    with pytest.raises(ValueError, match="keep_nonzero"):
+        CodeLookup.from_map(create_dynamic_map(signed=True), keep_nonzero=True)
+    plain = CodeLookup.from_map(create_dynamic_map(signed=False))
+    assert not plain.keep_nonzero and plain.mids_t[0] > 0  # nearest rounding (bitsandbytes' midpoints)
 
 
 @pytest.mark.parametrize("signed", [True, False])

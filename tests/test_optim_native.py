@@ -87,6 +87,10 @@ def test_native_codes_are_bucketize_on_ties(monkeypatch, isa):
         [mids, torch.nextafter(mids, torch.full_like(mids, 2.0)), torch.nextafter(mids, torch.full_like(mids, -2.0))]
     )
     vals = torch.cat([vals, torch.tensor([0.0, -0.0, 1e-40, -1e-40, 2.0**-31, -(2.0**-31), -1.0])])
+    # Squares far below the first midpoint of the unsigned map (down to a denormal, 1e-20 ** 2): code 1, not 0.
+    # First, so that they fall in whole vectors (the AVX-512 encode) as well as in the tail.
+    tiny = torch.tensor([1e-5, -2e-4, 4e-4, 4.03e-4, 1e-20, -1e-20, 3e-23])
+    vals = torch.cat([tiny, vals, tiny])
     vals = vals.clamp(-1, 1)
     blocks = vals.split(255)
     # Each block gets a 1.0 element: absmax 1, so the scaled value of every element is the value itself.
@@ -105,6 +109,7 @@ def test_native_codes_are_bucketize_on_ties(monkeypatch, isa):
     # v_new = 0 * 0 + (1 * g) * g and every block's absmax is 1: the scaled value is g * g.
     v_expected = torch.bucketize(g * g, dynamic_lookup(False).mids_t).to(torch.uint8)
     assert torch.equal(v.codes, v_expected)
+    assert v.codes[g * g > 0].ge(1).all() and v.codes[g * g == 0].eq(0).all()
 
 
 @pytest.mark.parametrize("isa", ISAS)

@@ -8,7 +8,8 @@ Three implementations of the same step:
 * ``numba`` (fallback when the native build fails): ``@njit(parallel=True, fastmath=False, cache=True)``, threads over chunks of blocks.
   Per block, in one visit of its elements while they sit in L1: dequantize m and v, scale the gradient by the
   clip coefficient, AdamW with decoupled weight decay and bias correction, find the block's new absmax, requantize
-  m and v to the nearest code, write the fp32 master and, optionally, its bf16 copy. Memory traffic per element:
+  m and v to the nearest code (a positive v never to code 0: the rule is in the lookup tables, Note: [A non-zero
+  second moment keeps a non-zero code] in quant.py), write the fp32 master and, optionally, its bf16 copy. Memory traffic per element:
   read p, g (8 B) and two codes (2 B), write p (4 B), two codes (2 B) and the bf16 copy (2 B): 16-18 B instead
   of the 28 B of an fp32-state AdamW.
 * ``torch`` (fallback, used when numba is missing or ``LAZYTRAIN_OPTIM_BACKEND=torch``): the same operations as
@@ -373,8 +374,8 @@ def _adamw8bit_torch(
         end = min(n, start + chunk)
         b0, b1 = start // bs, -(-end // bs)
         pc, gc = p[start:end], g[start:end]
-        mq = Quantized8bit(m.codes[start:end], m.absmax[b0:b1], bs, True)
-        vq = Quantized8bit(v.codes[start:end], v.absmax[b0:b1], bs, False)
+        mq = Quantized8bit(m.codes[start:end], m.absmax[b0:b1], bs, True, m.lookup)
+        vq = Quantized8bit(v.codes[start:end], v.absmax[b0:b1], bs, False, v.lookup)
         mf, vf = mq.dequantize(), vq.dequantize()
         gs = gc * scalars.clip if scalars.clip != 1.0 else gc
         pc.mul_(scalars.decay)

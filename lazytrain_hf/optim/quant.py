@@ -8,10 +8,25 @@ Dettmers et al., "8-Bit Approximations for Parallelism in Deep Learning" (arXiv:
 unsigned map for the second moment (never negative, so all 256 codes cover ``[0, 1]``).
 
 Rounding is to the nearest code, ties to the lower code, exactly as ``torch.bucketize`` over the midpoints of the
-sorted map (what bitsandbytes' reference CPU kernel does). The fused kernels do not binary-search the map: they use
-`CodeLookup`, a table indexed by the top 17 bits of the float32 value that gives, for every bucket of floats, the
-code of the bucket's lowest value; one comparison with the next midpoint finishes the rounding. This is exact
-because no bucket of the table contains more than one midpoint, which `CodeLookup` checks when it is built.
+sorted map, with one exception for the unsigned map (see Note: [A non-zero second moment keeps a non-zero code]).
+The fused kernels do not binary-search the map: they use `CodeLookup`, a table indexed by the top 17 bits of the
+float32 value that gives, for every bucket of floats, the code of the bucket's lowest value; one comparison with the
+next midpoint finishes the rounding. This is exact because no bucket of the table contains more than one midpoint,
+which `CodeLookup` checks when it is built.
+
+Note: [A non-zero second moment keeps a non-zero code]
+    ``v`` holds squared gradients, so an element far below its block's maximum (|g| under ~4e-4 of the block's
+    largest, v under ``code_map[1] / 2`` = 1.6e-7 of its absmax) would round to the code of 0.0 while its ``m``
+    survives, and the next step would be ``lr * m_hat / eps`` instead of ``lr * m_hat / sqrt(v_hat)``: 300-675x lr
+    on embedding rows of tokens absent from a batch (issue #14). So the unsigned map rounds every positive value
+    to a non-zero code: its first midpoint is 0.0 instead of ``code_map[1] / 2``, and values in
+    ``(0, code_map[1] / 2]`` take ``code_map[1]`` (3.25e-7 x absmax); 0.0 keeps code 0. It is a change of one
+    midpoint, so the lookup tables of every backend carry it and no kernel does extra work. bitsandbytes' CPU
+    quantizer also never stores 0 for v (its search stops at code 7, 1.56e-5 x absmax, even for 0.0).
+    Chosen over storing ``sqrt(v)`` (which halves the exponent range) by measurement: with the rule the step
+    stays within 1.84 lr on adversarial sparse gradients, against 3.8-4.1 lr for sqrt(v) with the rule and
+    46-1.2e6 lr for sqrt(v) alone (BENCHMARKS.md, optimizer section; the bound is tested in
+    tests/test_optim_sparse.py).
 """
 
 from __future__ import annotations
@@ -94,6 +109,8 @@ class CodeLookup:
             are indexed by ``k`` so the two loads do not depend on each other.
         zero_code (`int`): code of 0.0, the initial value of every element.
         code_map_t (`torch.Tensor`), mids_t (`torch.Tensor`): the map and its 255 midpoints as tensors (torch path).
+        keep_nonzero (`bool`): whether positive values below the first midpoint take code 1 instead of 0 (the
+            first midpoint is then 0.0; Note: [A non-zero second moment keeps a non-zero code]).
     """
 
     code_map: np.ndarray
@@ -103,18 +120,35 @@ class CodeLookup:
     zero_code: int
     code_map_t: torch.Tensor
     mids_t: torch.Tensor
+    keep_nonzero: bool = False
 
     @classmethod
-    def from_map(cls, code_map: torch.Tensor) -> CodeLookup:
-        """Build and verify the lookup for a sorted float32 map of 256 values in ``[-1, 1]``."""
+    def from_map(cls, code_map: torch.Tensor, keep_nonzero: bool = False) -> CodeLookup:
+        """Build and verify the lookup for a sorted float32 map of 256 values in ``[-1, 1]``.
+
+        Args:
+            code_map (`torch.Tensor`): the sorted map.
+            keep_nonzero (`bool`, *optional*, defaults to `False`):
+                Round every positive value to a non-zero code (for an unsigned map, whose first two entries are
+                0.0 and the smallest positive value): the first midpoint becomes 0.0. Without it, rounding is to
+                the nearest code, as bitsandbytes' ``quantize_blockwise`` defines it.
+        """
         cmap = np.ascontiguousarray(code_map.detach().cpu().to(torch.float32).numpy())
         if cmap.shape != (256,) or np.any(np.diff(cmap) < 0) or np.abs(cmap).max() > 1.0:
             raise ValueError(
                 f"code_map must be 256 sorted float32 values in [-1, 1]; got shape {tuple(cmap.shape)}. "
                 f"Build one with create_dynamic_map(signed=...)."
             )
+        if keep_nonzero and not (cmap[0] == 0.0 and cmap[1] > 0.0):
+            raise ValueError(
+                f"keep_nonzero needs an unsigned map starting 0.0, then a positive value; got {cmap[:2].tolist()}. "
+                f"Use it with create_dynamic_map(signed=False)."
+            )
         # Midpoints computed in float32 exactly as bitsandbytes does: (code[:-1] + code[1:]) / 2.
         mids = ((torch.from_numpy(cmap[:-1]) + torch.from_numpy(cmap[1:])) / 2).numpy()
+        if keep_nonzero:
+            # Note: [A non-zero second moment keeps a non-zero code]: count(mids < x) is then >= 1 for any x > 0.
+            mids[0] = np.float32(0.0)
         bounds = np.append(mids, np.float32(np.inf)).astype(np.float32)
         keys = np.arange(2 ** (32 - LOOKUP_SHIFT), dtype=np.uint64)
         low_bits = keys << LOOKUP_SHIFT
@@ -142,13 +176,17 @@ class CodeLookup:
             zero_code=zero_code,
             code_map_t=torch.from_numpy(cmap.copy()),
             mids_t=torch.from_numpy(mids.copy()),
+            keep_nonzero=bool(keep_nonzero),
         )
 
 
 @functools.cache
 def dynamic_lookup(signed: bool) -> CodeLookup:
-    """The (cached) lookup of the signed (first moment) or unsigned (second moment) dynamic map."""
-    return CodeLookup.from_map(create_dynamic_map(signed=signed))
+    """The (cached) lookup of the signed (first moment) or unsigned (second moment) dynamic map.
+
+    The unsigned one keeps every positive value non-zero (Note: [A non-zero second moment keeps a non-zero code]).
+    """
+    return CodeLookup.from_map(create_dynamic_map(signed=signed), keep_nonzero=not signed)
 
 
 def num_blocks(n: int, block_size: int) -> int:
@@ -164,13 +202,21 @@ class Quantized8bit:
         absmax (`torch.Tensor`): float32 tensor of ``ceil(n / block_size)`` per-block scales.
         block_size (`int`): elements per block.
         signed (`bool`): whether ``codes`` index the signed or the unsigned dynamic map.
+        lookup (`CodeLookup`, *optional*): the map and rounding rule; defaults to `dynamic_lookup(signed)`.
 
     The element ``i`` represents ``code_map[codes[i]] * absmax[i // block_size]``.
     """
 
     __slots__ = ("codes", "absmax", "block_size", "signed", "lookup")
 
-    def __init__(self, codes: torch.Tensor, absmax: torch.Tensor, block_size: int, signed: bool) -> None:
+    def __init__(
+        self,
+        codes: torch.Tensor,
+        absmax: torch.Tensor,
+        block_size: int,
+        signed: bool,
+        lookup: CodeLookup | None = None,
+    ) -> None:
         if codes.dtype != torch.uint8 or codes.dim() != 1:
             raise TypeError(f"codes must be a 1-D uint8 tensor; got dtype={codes.dtype}, shape={tuple(codes.shape)}.")
         if absmax.dtype != torch.float32 or absmax.dim() != 1:
@@ -186,7 +232,7 @@ class Quantized8bit:
         self.absmax = absmax
         self.block_size = int(block_size)
         self.signed = bool(signed)
-        self.lookup = dynamic_lookup(self.signed)
+        self.lookup = dynamic_lookup(self.signed) if lookup is None else lookup
 
     @classmethod
     def zeros(cls, n: int, block_size: int, signed: bool) -> Quantized8bit:
@@ -197,7 +243,7 @@ class Quantized8bit:
 
     @classmethod
     def from_tensor(cls, x: torch.Tensor, block_size: int, signed: bool) -> Quantized8bit:
-        """Quantize a float tensor (flattened) to nearest codes."""
+        """Quantize a float tensor (flattened), as `quantize_`."""
         q = cls.zeros(x.numel(), block_size, signed)
         q.quantize_(x)
         return q
@@ -234,7 +280,9 @@ class Quantized8bit:
         return values
 
     def quantize_(self, x: torch.Tensor) -> Quantized8bit:
-        """Store ``x`` (any float tensor with ``numel`` elements, flattened): new absmax per block, nearest codes."""
+        """Store ``x`` (any float tensor with ``numel`` elements, flattened): new absmax per block, nearest codes
+        (positive values of an unsigned map never take code 0: Note: [A non-zero second moment keeps a non-zero
+        code])."""
         if x.numel() != self.numel:
             raise ValueError(f"quantize_ got {x.numel()} values for a Quantized8bit of {self.numel}.")
         x = x.detach().reshape(-1).to(torch.float32)
@@ -252,7 +300,7 @@ class Quantized8bit:
         return self
 
     def clone(self) -> Quantized8bit:
-        return Quantized8bit(self.codes.clone(), self.absmax.clone(), self.block_size, self.signed)
+        return Quantized8bit(self.codes.clone(), self.absmax.clone(), self.block_size, self.signed, self.lookup)
 
     def __repr__(self) -> str:
         kind = "signed" if self.signed else "unsigned"

@@ -9,7 +9,9 @@
  *   2. new absmax of m and v (integer max over the float bits with the sign cleared);
  *   3. scale into [-1, 1] (x * (1 / absmax); the generic path clamps as the numba kernel does, a clamp that
  *      never acts on finite values, so the AVX-512 path leaves it out) and store the nearest code: bucketize over
- *      the 255 fp32 midpoints of the map, ties to the lower code (count of midpoints strictly below x).
+ *      the 255 fp32 midpoints of the map, ties to the lower code (count of midpoints strictly below x). The
+ *      rounding rule lives in the midpoints the caller passes: the unsigned map's first one is 0.0, so a positive
+ *      v never takes code 0 (quant.py, Note: [A non-zero second moment keeps a non-zero code]).
  *
  * Floating point: every operation is the float32 operation of the numba kernel, in the same order, with no
  * multiply-add contraction (build with -ffp-contract=off; the intrinsics below use separate mul and add), IEEE
@@ -187,7 +189,7 @@ typedef struct {
     uint8_t mid1[4][256] __attribute__((aligned(64)));
     uint8_t mid2[4][256] __attribute__((aligned(64)));
     int has_keys;
-    int nonneg; /* every midpoint is above zero (the unsigned map) */
+    int nonneg; /* no midpoint below zero (the unsigned map; its first midpoint is 0.0, see quant.py) */
     uint8_t pack[64] __attribute__((aligned(64))); /* pack[q] = 4 * (q % 32): byte q of the packed keys */
     /* level k of the binary search (k = 0..7): 2**k midpoints, level[k][j] = bounds[(2j + 1) * 2**(7-k) - 1] */
     float level[8][128] __attribute__((aligned(64)));
@@ -210,7 +212,7 @@ static void build_tables(const float *map, const float *bounds, const int32_t *k
     }
     for (int q = 0; q < 64; q++) t->pack[q] = (uint8_t)(4 * (q % 32));
     t->has_keys = keytab != NULL && lut8 != NULL;
-    t->nonneg = bounds[0] > 0.0f;
+    t->nonneg = bounds[0] >= 0.0f;
     if (t->has_keys) {
         /* keytab is in increasing value order: groups 0..31 negative (largest magnitude first), 32..63 positive */
         for (int e = 0; e < 32; e++) {
@@ -267,7 +269,9 @@ LT_AVX512 static inline __m512i encode64(const __m512 x[4], const lt_tables *t, 
     const __m512i kp0 = _mm512_load_si512(t->key_pos), kp1 = _mm512_load_si512(t->key_pos + 16);
     __m512i key[4];
     if (t->nonneg) {
-        /* No midpoint below zero: max(x, 2**-31) has the code of x (compared below with the original x). */
+        /* No midpoint below zero: max(x, 2**-31) has the key of x, and the comparisons below use the original x.
+         * A midpoint at exactly 0.0 (Note: [A non-zero second moment keeps a non-zero code] in quant.py) is the
+         * first midpoint of the group-96 bucket, so x in (0, 2**-31) still gets code 1 and 0.0 code 0. */
         for (int j = 0; j < 4; j++) {
             __m512i bits = _mm512_castps_si512(_mm512_max_ps(x[j], tiny));
             __m512i ent = _mm512_permutex2var_epi32(kp0, _mm512_srli_epi32(bits, 23), kp1);
