@@ -422,6 +422,33 @@ def test_state_dict_round_trip_is_exact(backend):
         assert torch.equal(p, q)
 
 
+def test_state_dict_format_version():
+    """state_dict() names its layout; a format-1 dict (before the non-zero rule for v) is converted with a warning
+    (a positive v stored as code 0 where m is non-zero takes code 1); an unknown newer format is refused."""
+    from lazytrain_hf.optim.hybrid8bit import FORMAT_KEY, STATE_FORMAT
+
+    params, opt = _trained_opt("torch")
+    sd = opt.state_dict()
+    assert sd[FORMAT_KEY] == STATE_FORMAT == 2
+    old = {k: v for k, v in sd.items() if k != FORMAT_KEY}
+    old["state"] = {k: dict(e) for k, e in sd["state"].items()}
+    codes = old["state"][0]["exp_avg_sq_codes"].clone()
+    m_codes = old["state"][0]["exp_avg_codes"]
+    lost = torch.zeros_like(codes, dtype=torch.bool)
+    lost[:50] = True  # what the old rule stored for tiny positive values
+    codes[lost] = 0
+    old["state"][0]["exp_avg_sq_codes"] = codes
+    assert (m_codes[lost] != dynamic_lookup(True).zero_code).all()
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = HybridAdamW8bit(twins, backend="torch")
+    with pytest.warns(UserWarning, match="format-1 HybridAdamW8bit state: 50 elements"):
+        opt2.load_state_dict(old)
+    v = opt2.state[twins[0]]["exp_avg_sq"].codes
+    assert v[lost].eq(1).all() and torch.equal(v[~lost], sd["state"][0]["exp_avg_sq_codes"][~lost])
+    with pytest.raises(ValueError, match="newer lazytrain_hf"):
+        HybridAdamW8bit(twins, backend="torch").load_state_dict(dict(sd, **{FORMAT_KEY: STATE_FORMAT + 1}))
+
+
 def test_load_state_dict_with_wrong_shapes_names_the_parameter():
     params, opt = _trained_opt("torch")
     sd = opt.state_dict()

@@ -10,6 +10,7 @@ elements (norms, biases) keep fp32 moments, where 8-bit codes would save little 
 from __future__ import annotations
 
 import math
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -22,6 +23,10 @@ from .quant import Quantized8bit, num_blocks
 _Q_KEYS = ("exp_avg", "exp_avg_sq")
 _Q_FLAT_KEYS = frozenset(f"{q}_{part}" for q in _Q_KEYS for part in ("codes", "absmax"))
 _MAX_BLOCK_SIZE = 4096
+# Layout version of `state_dict()`, stored under this key. 1 (no key, before issue #14): a positive exp_avg_sq could
+# be stored as code 0; 2: it never is (Note: [A non-zero second moment keeps a non-zero code] in quant.py).
+STATE_FORMAT = 2
+FORMAT_KEY = "hybrid8bit_format"
 
 
 class HybridAdamW8bit(torch.optim.Optimizer):
@@ -36,7 +41,6 @@ class HybridAdamW8bit(torch.optim.Optimizer):
     steps more than 2 x lr (AdamW: ~1 x lr; measured up to 1.84 x lr on adversarial gradients, tested in
     tests/test_optim_sparse.py). An element whose ``v`` is under 1.6e-7 of its block's maximum steps less than
     with AdamW, since its ``v`` rounds up to the smallest non-zero code.
-
 
     Args:
         params (`Iterable`):
@@ -278,7 +282,8 @@ class HybridAdamW8bit(torch.optim.Optimizer):
 
         ``exp_avg`` becomes ``exp_avg_codes`` (uint8) and ``exp_avg_absmax`` (float32), likewise ``exp_avg_sq``,
         so the dict holds only tensors, ints and floats (loadable with ``torch.load(weights_only=True)``). Like
-        torch's, the returned tensors are the live state, not copies.
+        torch's, the returned tensors are the live state, not copies. ``sd["hybrid8bit_format"]`` is the layout
+        version (`STATE_FORMAT`).
         """
         sd = super().state_dict()
         packed: dict[Any, Any] = {}
@@ -292,15 +297,28 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                     out[name] = value
             packed[key] = out
         sd["state"] = packed
+        sd[FORMAT_KEY] = STATE_FORMAT
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load a `state_dict()`; codes, scales and steps are restored bit for bit (as copies).
 
+        A state dict of format 1 (saved before the non-zero rule for ``exp_avg_sq``; it has no
+        ``"hybrid8bit_format"`` key) is converted, with a warning: where ``exp_avg`` is non-zero but ``exp_avg_sq``
+        was stored as code 0, the true ``exp_avg_sq`` was positive (some gradient was non-zero), so it takes code 1,
+        the code the current rule gives such a value. Its next step is then bounded instead of ``lr * m_hat / eps``.
+
         Raises:
             ValueError: when the groups do not match, or a parameter's saved moments have the wrong shape, number
-                of codes or number of blocks for its size; the message names the parameter.
+                of codes or number of blocks for its size (the message names the parameter), or the state dict
+                comes from a newer format.
         """
+        fmt = state_dict.get(FORMAT_KEY, 1)
+        if isinstance(fmt, bool) or not isinstance(fmt, int) or not 1 <= fmt <= STATE_FORMAT:
+            raise ValueError(
+                f"load_state_dict: {FORMAT_KEY}={fmt!r}; this version of lazytrain_hf reads formats 1 to "
+                f"{STATE_FORMAT}. The state dict was written by a newer lazytrain_hf: upgrade it to resume."
+            )
         saved_groups = state_dict["param_groups"]
         if len(saved_groups) != len(self.param_groups):
             raise ValueError(
@@ -327,6 +345,7 @@ class HybridAdamW8bit(torch.optim.Optimizer):
             if key in state_dict["state"]:
                 self._check_saved_entry(p, group, saved, i, plain_state[key], quantized[key])
         super().load_state_dict({"state": plain_state, "param_groups": saved_groups})
+        raised = 0
         for key, (_, saved, _, p) in positions.items():
             if key not in state_dict["state"]:
                 continue
@@ -342,6 +361,17 @@ class HybridAdamW8bit(torch.optim.Optimizer):
                 if isinstance(state.get(q), torch.Tensor):
                     state[q] = state[q].detach().clone()
             state["step"] = int(state["step"])
+            if fmt == 1 and isinstance(state.get("exp_avg_sq"), Quantized8bit):
+                m, v = state["exp_avg"], state["exp_avg_sq"]
+                lost = (v.codes == v.lookup.zero_code) & (m.codes != m.lookup.zero_code)
+                raised += int(lost.sum())
+                v.codes[lost] = v.lookup.zero_code + 1
+        if raised:
+            warnings.warn(
+                f"load_state_dict: converted a format-1 HybridAdamW8bit state: {raised} elements with a non-zero "
+                f"exp_avg had exp_avg_sq stored as 0 (issue #14) and now take its smallest non-zero code.",
+                stacklevel=2,
+            )
 
     def _check_saved_entry(
         self,
