@@ -17,11 +17,11 @@ import math
 import pytest
 import torch
 
-from lazytrain_hf.optim import HybridAdamW8bit, Quantized8bit, create_dynamic_map
+from lazytrain_hf.optim import HybridAdamW8bit, Quantized8bit, create_dynamic_map, native
 from lazytrain_hf.optim.kernels import NUMBA_AVAILABLE, AdamWScalars, adamw8bit_step, resolve_backend
 from lazytrain_hf.optim.quant import dynamic_lookup
 
-BACKENDS = ["torch"] + (["numba"] if NUMBA_AVAILABLE else [])
+BACKENDS = ["torch"] + (["numba"] if NUMBA_AVAILABLE else []) + (["native"] if native.available() else [])
 
 
 def _moment_like(n: int, signed: bool, seed: int = 0) -> torch.Tensor:
@@ -344,6 +344,40 @@ def test_step_params_and_per_parameter_outputs(backend):
         assert torch.equal(out, p.to(torch.bfloat16))
     with pytest.raises(ValueError, match="not managed"):
         opt.step_params([torch.zeros(3)])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_step_params_writes_compute_views_of_a_flat_bf16_buffer(backend):
+    """``out_bf16`` as the trainer passes it: per parameter, a view (of the parameter's shape) into one flat bf16
+    compute buffer of the layer, for 8-bit and fp32-state parameters alike, ``None`` where no copy is wanted. The
+    views receive exactly ``p.to(bfloat16)`` in the same pass; the parameters and states equal a step without them."""
+    gen = torch.Generator().manual_seed(3)
+    shapes = [(96, 64), (64,), (40, 130), (8,)]  # 8-bit, fp32-state, 8-bit with a partial block, fp32-state
+    params = [torch.nn.Parameter(torch.randn(s, generator=gen)) for s in shapes]
+    twins = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt = HybridAdamW8bit(params, lr=1e-2, weight_decay=0.1, backend=backend)
+    ref = HybridAdamW8bit(twins, lr=1e-2, weight_decay=0.1, backend=backend)
+    flat = torch.zeros(sum(p.numel() for p in params), dtype=torch.bfloat16)
+    views, offset = [], 0
+    for p in params:
+        views.append(flat[offset : offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    untouched = views[3].clone()
+    for step in range(3):
+        for p, q in zip(params, twins):
+            p.grad = torch.randn(p.shape, generator=gen)
+            q.grad = p.grad.clone()
+        opt.step_params(params, clip_coef=0.5, out_bf16=[views[0], views[1], views[2], None])
+        ref.step(clip_coef=0.5)
+        for i, (p, q) in enumerate(zip(params, twins)):
+            assert torch.equal(p, q), f"step {step}, param {i}: {_first_mismatches(p.flatten(), q.flatten())}"
+        for i in range(3):
+            assert torch.equal(views[i], params[i].detach().to(torch.bfloat16)), f"step {step}, param {i}"
+        assert torch.equal(views[3], untouched)
+    assert isinstance(opt.state[params[0]]["exp_avg"], Quantized8bit)
+    assert isinstance(opt.state[params[1]]["exp_avg"], torch.Tensor)
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        opt.step_params(params[:1], out_bf16=[torch.zeros(64, 96, dtype=torch.bfloat16).t()])
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
