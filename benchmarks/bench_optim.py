@@ -1,6 +1,7 @@
 """CPU optimizer step time: HybridAdamW8bit (clip folded in) vs torch AdamW (+ clip_grad_norm_) and bitsandbytes.
 
     python benchmarks/bench_optim.py --sizes 50M,200M --rounds 3 --reps 3 --backends native,numba
+    python benchmarks/bench_optim.py --sizes 50M,200M --rounds 3 --reps 3 --backends native,numba --v-rules both
 
 Prints one table per size: median / min / max step time over ``--rounds`` round-robin rounds of ``--reps`` timed
 repetitions (each round rebuilds every case's state and warms it up, so numba compilation and first-touch page faults
@@ -16,24 +17,34 @@ Bytes per parameter (fp32 master, fp32 grad):
   writes p, m, v (28): 40.
 - HybridAdamW8bit, host norm: norm reads g (4); fused pass reads p, g (8) and two codes (2), writes p (4) and two
   codes (2): 20 (+2 with the bf16 copy). With the norm taken on the device (the streaming runtime), 16.
+
+``--v-rules both`` also times every HybridAdamW8bit row with the second moment rounded as before issue #14 (to the
+nearest code, so a tiny positive v could become 0; Note: [A non-zero second moment keeps a non-zero code] in
+lazytrain_hf/optim/quant.py), in the same rounds: the rule is the first midpoint of the unsigned map's lookup
+tables, so the two rows run the same kernel code on different tables.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
+import random
 import statistics
 import time
 from collections.abc import Callable
 
 import torch
 
-from lazytrain_hf.optim import HybridAdamW8bit, clip_coefficient, global_norm, partial_sq_norms
+from lazytrain_hf.optim import HybridAdamW8bit, Quantized8bit, clip_coefficient, global_norm, partial_sq_norms
+from lazytrain_hf.optim.quant import CodeLookup, create_dynamic_map, dynamic_lookup
 from lazytrain_hf.units import parse_bytes
 
 MAX_NORM = 1.0
 TENSOR_ELEMS = 25_000_000  # parameters are split into "layers" of this size, as a flat per-layer store would
+# Lookup of exp_avg_sq per rule: "nonzero" is the optimizer's; "nearest" the rounding before issue #14.
+V_RULES = {"nonzero": dynamic_lookup(False), "nearest": CodeLookup.from_map(create_dynamic_map(signed=False))}
 
 
 def _params(n: int, seed: int = 0) -> list[torch.Tensor]:
@@ -74,9 +85,9 @@ def stream_bandwidth(reps: int, elems: int = 1 << 28) -> dict[str, float]:
     return {"copy": copy / 1e9, "in_place": in_place / 1e9}
 
 
-def native_compute_rate(reps: int, n: int = 1 << 20, inner: int = 20) -> float | None:
+def native_compute_rate(reps: int, n: int = 1 << 20, inner: int = 20, v_rule: str = "nonzero") -> float | None:
     """ns per element of the native kernel on one thread with every operand in cache (its compute cost alone)."""
-    from lazytrain_hf.optim import Quantized8bit, native
+    from lazytrain_hf.optim import native
     from lazytrain_hf.optim.kernels import AdamWScalars
 
     if not native.available():
@@ -84,6 +95,7 @@ def native_compute_rate(reps: int, n: int = 1 << 20, inner: int = 20) -> float |
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
     m, v = Quantized8bit.zeros(n, 256, signed=True), Quantized8bit.zeros(n, 256, signed=False)
+    v.lookup = V_RULES[v_rule]
     scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.01, 3, 0.5).as_float32()
 
     def run() -> None:
@@ -104,11 +116,16 @@ def _torch_case(n: int, reps: int, **kwargs) -> list[float]:
     return _time(step, reps)
 
 
-def _hybrid_case(n: int, reps: int, host_norm: bool, bf16: bool, backend: str | None = None) -> list[float]:
+def _hybrid_case(
+    n: int, reps: int, host_norm: bool, bf16: bool, backend: str | None = None, v_rule: str = "nonzero"
+) -> list[float]:
     params = _params(n)
     opt = HybridAdamW8bit([{"params": [p]} for p in params], lr=1e-4, weight_decay=0.01, backend=backend)
     outs = [torch.empty(p.numel(), dtype=torch.bfloat16) for p in params] if bf16 else [None] * len(params)
     device_norm = global_norm(partial_sq_norms(p.grad for p in params))
+    for i, p in enumerate(params):  # one step creates the state, whose v lookup then selects the rule
+        opt.step_group(i)
+        opt.state[p]["exp_avg_sq"].lookup = V_RULES[v_rule]
 
     def step() -> None:
         norm = global_norm(partial_sq_norms(p.grad for p in params)) if host_norm else device_norm
@@ -156,17 +173,28 @@ def _bound(fn: Callable[..., list[float]], *args) -> Callable[[int], list[float]
 Case = tuple[str, float, Callable[[int], "list[float] | None"]]
 
 
-def make_cases(reps: int, backends: list[str], foreach: bool = True, bnb_reps: int | None = None) -> list[Case]:
-    """(name, bytes per parameter, run(n) -> step times or None when not importable), torch fused first."""
+def make_cases(
+    reps: int,
+    backends: list[str],
+    foreach: bool = True,
+    bnb_reps: int | None = None,
+    v_rules: tuple[str, ...] = ("nonzero",),
+) -> list[Case]:
+    """(name, bytes per parameter, run(n) -> step times or None when not importable), torch fused first. A rule
+    other than the optimizer's own is named in the row (``v nearest``: before issue #14)."""
     cases: list[Case] = [("torch AdamW fused + clip_grad_norm_", 40, lambda n: _torch_case(n, reps, fused=True))]
     if foreach:
         cases.append(("torch AdamW foreach + clip_grad_norm_", 40, lambda n: _torch_case(n, reps, foreach=True)))
     for backend in backends:
-        cases += [
-            (f"Hybrid8bit[{backend}] host norm + fused clip", 20, _bound(_hybrid_case, reps, True, False, backend)),
-            (f"Hybrid8bit[{backend}] host norm + clip + bf16", 22, _bound(_hybrid_case, reps, True, True, backend)),
-            (f"Hybrid8bit[{backend}] device norm (step only)", 16, _bound(_hybrid_case, reps, False, False, backend)),
-        ]
+        for rule in v_rules:
+            tag = backend if rule == "nonzero" else f"{backend}, v {rule}"
+            for label, bpp, host_norm, bf16 in (
+                ("host norm + fused clip", 20, True, False),
+                ("host norm + clip + bf16", 22, True, True),
+                ("device norm (step only)", 16, False, False),
+            ):
+                run = _bound(_hybrid_case, reps, host_norm, bf16, backend, rule)
+                cases.append((f"Hybrid8bit[{tag}] {label}", bpp, run))
     cases.append(("DeepSpeedCPUAdam + clip_grad_norm_", 40, lambda n: _deepspeed_case(n, reps)))
     if bnb_reps:
         cases.append(("bitsandbytes AdamW8bit (CPU) + clip", 24, lambda n: _bnb_case(n, bnb_reps)))
@@ -212,17 +240,204 @@ def measure(n: int, cases: list[Case], in_place_gbs: float, rounds: int = 1) -> 
 
 
 def format_rows(rows: list[dict]) -> str:
-    head = f"{'optimizer step':<48}{'median ms':>10}{'min':>8}{'max':>8}{'x fused':>9}{'(min)':>7}{'B/param':>9}"
+    head = f"{'optimizer step':<58}{'median ms':>10}{'min':>8}{'max':>8}{'x fused':>9}{'(min)':>7}{'B/param':>9}"
     lines = [head + f"{'GB/s':>7}{'% in-place bw':>15}"]
     for r in rows:
         if r.get("skipped"):
-            lines.append(f"{r['optimizer']:<48}{'(not importable: skipped)':>40}")
+            lines.append(f"{r['optimizer']:<58}{'(not importable: skipped)':>40}")
             continue
         lines.append(
-            f"{r['optimizer']:<48}{r['median_ms']:>10.1f}{r['min_ms']:>8.1f}{r['max_ms']:>8.1f}"
+            f"{r['optimizer']:<58}{r['median_ms']:>10.1f}{r['min_ms']:>8.1f}{r['max_ms']:>8.1f}"
             f"{r['x_torch_fused']:>9.2f}{r['x_torch_fused_min']:>7.2f}{r['bytes_per_param']:>9}{r['gb_s']:>7.1f}"
             f"{r['pct_in_place_bw']:>14.0f}%"
         )
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# --step-bound: the largest step on sparse gradients (issue #14)
+# ----------------------------------------------------------------------------------------------------------------
+
+BOUND_LR = 1e-3
+BOUND_BLOCK = 256
+
+
+def _issue_grads() -> list[torch.Tensor]:
+    """Issue #14's reproduction: a dense step, then three in which rows 0-31 have a zero gradient."""
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.randn(64, 512, generator=gen) * 1e-2]
+    for _ in range(3):
+        g = torch.randn(64, 512, generator=gen) * 1e-2
+        g[:32] = 0
+        grads.append(g)
+    return grads
+
+
+def _sparse_case(rng: random.Random) -> list[torch.Tensor]:
+    """One draw from the space of tests/test_optim_sparse.py's property test: zero rows (a changing fraction per
+    step), tiny rows and tiny elements (1e-6..1e-3 of their row), row scales over 0-3 decades."""
+    rows, cols = rng.randint(4, 48), rng.choice([32, 64, 100, 256, 512])
+    tiny_frac, tiny, decades = rng.random() * 0.5, rng.choice([1e-4, 1e-3, 1e-6]), rng.random() * 3
+    gen = torch.Generator().manual_seed(rng.randrange(2**31))
+    scale = 10 ** (-decades * torch.rand(rows, 1, generator=gen))
+    grads = []
+    for _ in range(rng.randint(2, 10)):
+        frac = rng.random()
+        g = torch.randn(rows, cols, generator=gen) * 1e-2 * scale
+        r = torch.rand(rows, generator=gen)
+        g[r < frac] = 0
+        g[(r >= frac) & (r < frac + tiny_frac)] *= tiny
+        g[torch.rand(rows, cols, generator=gen) < tiny_frac] *= tiny
+        grads.append(g)
+    return grads
+
+
+def _embedding_grads(seed: int, steps: int = 40, vocab: int = 512, dim: int = 256, used: int = 40) -> list:
+    """Rows are tokens: each step 40 of 512 rows (skewed frequencies) get a gradient, with a per-row scale."""
+    gen = torch.Generator().manual_seed(seed)
+    freq = torch.rand(vocab, generator=gen) ** 3
+    grads = []
+    for _ in range(steps):
+        g = torch.zeros(vocab, dim)
+        rows = torch.multinomial(freq, used, generator=gen)
+        g[rows] = torch.randn(used, dim, generator=gen) * 1e-2 * torch.exp(torch.randn(used, 1, generator=gen))
+        grads.append(g.view(-1))
+    return grads
+
+
+def _growing_grads(seed: int, steps: int = 40, n: int = 256 * 64) -> list[torch.Tensor]:
+    """10% of the elements grow x1.11 per step (AdamW's own steps exceed lr there), 30% zero at each step."""
+    gen = torch.Generator().manual_seed(seed)
+    grow = torch.rand(n, generator=gen) < 0.1
+    grads = []
+    for t in range(steps):
+        g = torch.randn(n, generator=gen) * 1e-2
+        g[grow] = 1e-4 * 1.11**t
+        g[torch.rand(n, generator=gen) < 0.3] = 0
+        grads.append(g)
+    return grads
+
+
+def _heavy_grads(seed: int, sigma: float, steps: int = 40, n: int = 256 * 64) -> list[torch.Tensor]:
+    """Element scales log-normal with ``sigma`` (s=4: e**+-8 between elements of one block), 30% zero per step."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = torch.exp(torch.randn(n, generator=gen) * sigma)
+    grads = []
+    for _ in range(steps):
+        g = torch.randn(n, generator=gen) * 1e-2 * scale * torch.exp(torch.randn(n, generator=gen) * 0.5)
+        g[torch.rand(n, generator=gen) < 0.3] = 0
+        grads.append(g)
+    return grads
+
+
+def _spike_grads(seed: int, steps: int = 60, n: int = 256 * 64) -> list[torch.Tensor]:
+    """Adversarial: per block one element spikes (10, 1000x the others' scale) at step 1 then stays silent, so the
+    block's absmax of v stays large while the others, spread over 12 decades, are zero half of the steps."""
+    gen = torch.Generator().manual_seed(seed)
+    scale = 10 ** (-12 * torch.rand(n, generator=gen))
+    grads = []
+    for t in range(steps):
+        g = torch.randn(n, generator=gen) * 1e-2 * scale
+        g[torch.rand(n, generator=gen) < 0.5] = 0
+        g[::BOUND_BLOCK] = 10.0 if t == 0 else 0.0
+        grads.append(g)
+    return grads
+
+
+def step_bound_cases() -> dict[str, list[list[torch.Tensor]]]:
+    """name -> gradient sequences (each one run from fresh state)."""
+    rng = random.Random(0)
+    return {
+        "issue #14 reproduction": [_issue_grads()],
+        "property-test space (300 draws)": [_sparse_case(rng) for _ in range(300)],
+        "embedding rows (40 of 512 per step)": [_embedding_grads(s) for s in range(3)],
+        "growing gradients (x1.11 per step)": [_growing_grads(s) for s in range(3)],
+        "heavy-tailed elements (log-normal s=2)": [_heavy_grads(s, 2.0) for s in range(3)],
+        "heavy-tailed elements (log-normal s=4)": [_heavy_grads(s, 4.0) for s in range(3)],
+        "one spike per block, 12 decades": [_spike_grads(s) for s in range(4)],
+    }
+
+
+def _max_step(make_opt: Callable[[list[torch.Tensor]], torch.optim.Optimizer], grads: list[torch.Tensor]) -> float:
+    """Largest |p_after - p_before| / lr over the steps of ``grads``, from p = 0 (weight decay off)."""
+    p = torch.nn.Parameter(torch.zeros(grads[0].shape))
+    opt = make_opt([p])
+    worst = 0.0
+    for g in grads:
+        before = p.detach().clone()
+        p.grad = g.clone()
+        opt.step()
+        worst = max(worst, ((p.detach() - before).abs().max() / BOUND_LR).item())
+    return worst
+
+
+def _hybrid_rule(backend: str, rule: str) -> Callable[[list[torch.Tensor]], torch.optim.Optimizer]:
+    def make(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        opt = HybridAdamW8bit(params, lr=BOUND_LR, weight_decay=0.0, backend=backend)
+        for p in params:  # one zero step creates the state (the step moves nothing: m = v = 0)
+            p.grad = torch.zeros_like(p)
+        opt.step()
+        for p in params:
+            opt.state[p]["step"] = 0
+            if isinstance(opt.state[p]["exp_avg_sq"], torch.Tensor):
+                continue  # under min_8bit_size: fp32 moments, no rule
+            opt.state[p]["exp_avg_sq"].lookup = V_RULES[rule]
+        return opt
+
+    return make
+
+
+class SqrtV8bit(torch.optim.Optimizer):
+    """Reference (torch ops) of the representation issue #14 weighed and the optimizer does not use: 8-bit codes of
+    ``sqrt(v)`` (unsigned map, blocks of 256) instead of ``v``, with either rounding rule, and the optimizer's 8-bit
+    ``m``; fp32 moments under 4096 elements, as the optimizer. Same operations and order as the kernels."""
+
+    def __init__(self, params, lr: float, rule: str, betas=(0.9, 0.999), eps: float = 1e-8):
+        super().__init__(params, {"lr": lr, "betas": betas, "eps": eps})
+        self.v_lookup = V_RULES[rule]
+
+    @staticmethod
+    def _requantize(x: torch.Tensor, signed: bool, lookup: CodeLookup | None = None) -> torch.Tensor:
+        if x.numel() < 4096:
+            return x.clone()
+        q = Quantized8bit.zeros(x.numel(), BOUND_BLOCK, signed)
+        q.lookup = lookup or q.lookup
+        return q.quantize_(x).dequantize()
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            beta1, beta2 = group["betas"]
+            for p in group["params"]:
+                st = self.state[p]
+                if not st:
+                    st.update(step=0, m=torch.zeros(p.numel()), s=torch.zeros(p.numel()))
+                st["step"] += 1
+                g = p.grad.reshape(-1)
+                m = st["m"] + (1 - beta1) * (g - st["m"])
+                v = (st["s"] * st["s"]) * beta2 + ((1 - beta2) * g) * g
+                sq = v.sqrt()
+                bc1, bc2s = 1 - beta1 ** st["step"], math.sqrt(1 - beta2 ** st["step"])
+                p.view(-1).add_((-(group["lr"] / bc1) * m) / (sq / bc2s + group["eps"]))
+                st["m"] = self._requantize(m, signed=True)
+                st["s"] = self._requantize(sq, signed=False, lookup=self.v_lookup)
+
+
+def step_bound_table(backends: list[str]) -> str:
+    """Largest step / lr per gradient family: torch AdamW, the kernels per v rule and backend, sqrt(v) references."""
+    head = ["gradients", "AdamW"]
+    head += [f"v {rule} [{b}]" for rule in ("nearest", "nonzero") for b in backends]
+    head += ["sqrt(v) nearest", "sqrt(v) nonzero"]
+    lines = [" | ".join(head)]
+    adamw = lambda params: torch.optim.AdamW(params, lr=BOUND_LR, weight_decay=0.0, foreach=False)  # noqa: E731
+    for name, family in step_bound_cases().items():
+        row = [name, f"{max(_max_step(adamw, g) for g in family):.3f}"]
+        for rule in ("nearest", "nonzero"):
+            row += [f"{max(_max_step(_hybrid_rule(b, rule), g) for g in family):.4g}" for b in backends]
+        for rule in ("nearest", "nonzero"):
+            make = lambda params, r=rule: SqrtV8bit(params, lr=BOUND_LR, rule=r)  # noqa: E731
+            row.append(f"{max(_max_step(make, g) for g in family):.4g}")
+        lines.append(" | ".join(row))
     return "\n".join(lines)
 
 
@@ -242,14 +457,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--backends", default="native,numba", help="HybridAdamW8bit kernel backends to time (native, numba, torch)"
     )
+    parser.add_argument(
+        "--v-rules",
+        default="nonzero",
+        choices=["nonzero", "nearest", "both"],
+        help="rounding of exp_avg_sq: the optimizer's (nonzero), the one before issue #14 (nearest), or both",
+    )
+    parser.add_argument(
+        "--step-bound",
+        action="store_true",
+        help="print only the largest step / lr on sparse gradient families (issue #14), per v rule and backend",
+    )
     args = parser.parse_args(argv)
     sizes = [parse_count(s) for s in args.sizes.split(",")]
+    v_rules = ("nonzero", "nearest") if args.v_rules == "both" else (args.v_rules,)
+    backends = [b.strip() for b in args.backends.split(",") if b.strip()]
+    if args.step_bound:
+        print(f"largest |step| / lr, weight decay off, lr {BOUND_LR}; load average {os.getloadavg()}")
+        print(step_bound_table(backends))
+        return
 
     bw = stream_bandwidth(args.reps)
     probe = HybridAdamW8bit([torch.nn.Parameter(torch.zeros(1))])
     from lazytrain_hf.optim import native
 
-    rate = native_compute_rate(args.reps)
+    rates = {rule: native_compute_rate(args.reps, v_rule=rule) for rule in v_rules}
+    rate = rates[v_rules[0]]
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, HybridAdamW8bit default={probe.backend}")
     print(f"native kernel: {native.isa() if native.available() else native.error()}; load average: {os.getloadavg()}")
     print(
@@ -262,11 +495,14 @@ def main(argv: list[str] | None = None) -> None:
             f"{torch.get_num_threads()} threads can do at best {rate / torch.get_num_threads():.2f} ns/param, the "
             f"in-place bandwidth allows {16 / bw['in_place']:.2f} ns/param at 16 B/param"
         )
+        if len(v_rules) > 1:
+            print("  same, per v rule: " + ", ".join(f"{rule} {r:.2f} ns/param" for rule, r in rates.items()))
     print()
     cases = make_cases(
         args.reps,
-        [b.strip() for b in args.backends.split(",") if b.strip()],
+        backends,
         bnb_reps=None if args.skip_bnb else args.bnb_reps,
+        v_rules=v_rules,
     )
     for n in sizes:
         print(f"== {n / 1e6:.0f}M parameters, {args.rounds} rounds x {args.reps} reps (bitsandbytes: {args.bnb_reps})")
