@@ -18,9 +18,10 @@ import pytest
 import torch
 import torch.nn as nn
 from conftest import tiny_model
+from helpers.standalone import attach_standalone
 
-from lazytrain_hf import activations as act
-from lazytrain_hf.activations import ActivationEngine, ActivationSpillError, HostBufferPool, attach_standalone
+from lazytrain_hf.activations import ActivationEngine, ActivationSpillError, HostBufferPool
+from lazytrain_hf.activations import nvme as act
 from lazytrain_hf.models import decoder_layers, layer_kinds
 from lazytrain_hf.planner.plan import Plan
 

@@ -13,10 +13,11 @@ import tempfile
 import pytest
 import torch
 from conftest import tiny_model
+from helpers.standalone import attach_standalone
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from lazytrain_hf.activations import ActivationEngine, attach_standalone
+from lazytrain_hf.activations import ActivationEngine
 from lazytrain_hf.models import layer_kinds
 from lazytrain_hf.planner.plan import INPUT_TIERS, POLICIES, Plan
 

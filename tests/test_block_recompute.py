@@ -13,11 +13,13 @@ import warnings
 import pytest
 import torch
 from conftest import tiny_model
+from helpers.standalone import attach_standalone
 from test_activations import independent_saved_bytes
 from test_streaming import assert_grads_equal, hooks_snapshot, plain_grads
 
 from lazytrain_hf import models
-from lazytrain_hf.activations import ActivationEngine, attach_standalone
+from lazytrain_hf.activations import ActivationEngine
+from lazytrain_hf.activations.recompute import Recomputer
 from lazytrain_hf.planner import baselines, costmodel
 from lazytrain_hf.planner.plan import Plan
 from lazytrain_hf.streaming import attach
@@ -65,7 +67,7 @@ def instrument(engine: ActivationEngine) -> list[tuple]:
     """Log ``(block layers, layer whose begin_backward ran it or None, count)`` for every block recomputation."""
     log: list[tuple] = []
     current: list[int | None] = [None]
-    orig_bb, orig_rb = engine.begin_backward, engine._recompute_block
+    orig_bb, orig_rb = engine.begin_backward, engine._recompute._recompute_block
 
     def begin_backward(layer: int) -> None:
         current[0] = layer
@@ -79,7 +81,7 @@ def instrument(engine: ActivationEngine) -> list[tuple]:
         return orig_rb(block, count, upto)
 
     engine.begin_backward = begin_backward
-    engine._recompute_block = recompute_block
+    engine._recompute._recompute_block = recompute_block
     return log
 
 
@@ -118,7 +120,7 @@ def test_streamed_block_recompute_bit_exact(model_type, K):
         loss = model(**batch()).loss
         fwd = handle.memory_stats()
         saved = engine.layer_bytes()
-        frames = {i: [r() for r in engine._frames[i]] for i in range(L)}
+        frames = {i: [r() for r in engine._recompute._frames[i]] for i in range(L)}
         structure = [
             (f.layer, f.input is None, f.block.layers, f.block.input is not None) for i in range(L) for f in frames[i]
         ]
@@ -147,7 +149,7 @@ def test_streamed_block_recompute_bit_exact(model_type, K):
     assert handle.engine.grown == {}
     after = handle.memory_stats()
     assert after["activation_gpu_bytes"] == after["activation_cpu_bytes"] == 0
-    assert engine._block_of == {} and engine._open_block is None
+    assert engine._recompute._block_of == {} and engine._recompute._open_block is None
 
     handle.remove()
     assert hooks_snapshot(model) == before
@@ -343,13 +345,13 @@ def test_lazy_trainer_megatrain_runs_block_recompute(tmp_path, monkeypatch):
     from trainer_fixtures import make_trainer
 
     seen: list[list[int]] = []
-    orig = ActivationEngine._recompute_block_for
+    orig = Recomputer._recompute_block_for
 
     def spy(self, block, gid):
         seen.append(block.layers)
         return orig(self, block, gid)
 
-    monkeypatch.setattr(ActivationEngine, "_recompute_block_for", spy)
+    monkeypatch.setattr(Recomputer, "_recompute_block_for", spy)
     tr = make_trainer(tmp_path, max_steps=1, planner_policy="megatrain", planner_warmup_steps=0)
     tr.train()
     assert tr.lazy_plan.checkpoint_every == 4

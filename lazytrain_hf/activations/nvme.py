@@ -1,0 +1,422 @@
+"""The NVMe tier: spill files in a private directory, background writes and reads, and their failures.
+
+Owns the spill directory of one engine (`SpillDir`: files, the writer and reader thread pools, cleanup, stale
+directories of dead processes) and `NvmeTier`, the tier backend (`tiers.py` interface) that stages a saved tensor
+through a pooled host buffer, writes it to its layer's spill file and reads it back when its reload is issued. A
+failed write (ENOSPC, EIO) removes every spill file of the step and is raised on the training thread as
+`ActivationSpillError`, naming the directory, the bytes and the fix.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import hashlib
+import os
+import re
+import shutil
+import socket
+import tempfile
+import threading
+from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import torch
+
+from .. import streams
+from ..units import format_bytes
+from .layout import Layout
+from .tiers import Entry, Tier, TierContext
+
+_SPILL_PREFIX = "lazytrain-act_"
+_SPILL_RE = re.compile(r"^lazytrain-act_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
+
+# Indirection so tests can inject I/O failures (ENOSPC) without touching the `os` module other code uses.
+_pwrite = os.pwrite
+_preadv = os.preadv
+
+
+class ActivationSpillError(OSError):
+    """Writing activations to the NVMe spill directory failed (e.g. ENOSPC). The spill files are removed."""
+
+
+def check_dir(path: str) -> None:
+    """ValueError naming ``activation_nvme_dir`` unless ``path`` is a writable directory."""
+    if not os.path.isdir(path):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} does not exist or is not a directory; create it (mkdir -p) or pass "
+            "an existing directory on a fast local disk."
+        )
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} is not writable by this process; pass a directory you can write to."
+        )
+
+
+def _host_id() -> str:
+    return hashlib.sha1(socket.gethostname().encode()).hexdigest()[:8]
+
+
+def _process_start_ticks(pid: int) -> int:
+    """Start time of ``pid`` in clock ticks since boot (Linux); 0 where unknown. Tells a reused pid apart."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        # the command name (field 2) may contain spaces and parentheses: split after its closing parenthesis
+        return int(stat[stat.rindex(b")") + 2 :].split()[19])
+    except (OSError, ValueError, IndexError):
+        return 0
+
+
+def _process_alive(pid: int, start_ticks: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        pass  # alive, owned by another user
+    if start_ticks:
+        now = _process_start_ticks(pid)
+        if now and now != start_ticks:
+            return False  # the pid was reused by a newer process
+    return True
+
+
+def remove_stale_spill_dirs(nvme_dir: str) -> list[str]:
+    """Remove spill subdirectories under ``nvme_dir`` left by dead processes of this host; returns their paths.
+
+    Note: [Spill files never outlive the process]
+    Each engine spills into its own ``mkdtemp`` subdirectory (mode 0o700) named with this host, its pid and the
+    process start time. Files are removed at `ActivationEngine.end_step`, on errors inside `ActivationEngine.step`, at
+    `ActivationEngine.close`, when the engine is garbage-collected and at interpreter exit (a `weakref.finalize`,
+    which runs through `atexit`, so SIGINT / KeyboardInterrupt and `sys.exit` clean up). A process killed with
+    SIGKILL (or SIGTERM, which skips `atexit`) cannot clean up: the next engine constructed on the same directory
+    removes the subdirectories whose owner no longer exists.
+    """
+    removed = []
+    host = _host_id()
+    try:
+        names = os.listdir(nvme_dir)
+    except OSError:
+        return removed
+    for name in names:
+        m = _SPILL_RE.match(name)
+        if m is None or m.group("host") != host:
+            continue
+        if _process_alive(int(m.group("pid")), int(m.group("start"))):
+            continue
+        path = os.path.join(nvme_dir, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        n = _pwrite(fd, data[done:], offset + done)
+        if n <= 0:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        done += n
+
+
+def _pread_all(fd: int, out: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(out):
+        n = _preadv(fd, [out[done:]], offset + done)
+        if n <= 0:
+            raise OSError(errno.EIO, f"spill file ended after {offset + done} bytes")
+        done += n
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """Writable memoryview of a contiguous CPU uint8 tensor."""
+    return memoryview(t.numpy()).cast("B")
+
+
+class _SpillFile:
+    __slots__ = ("path", "fd", "size", "live", "sealed")
+
+    def __init__(self, path: str, fd: int) -> None:
+        self.path, self.fd = path, fd
+        self.size = 0  # next free offset
+        self.live = 0  # entries still stored in it
+        self.sealed = False  # the layer's forward is over: no more appends
+
+
+class SpillDir:
+    """The private spill directory of one engine: files, background I/O pools, cleanup.
+
+    Holds no reference to the engine, so a `weakref.finalize` on the engine can call `cleanup`.
+    """
+
+    def __init__(self, root: str, io_threads: int) -> None:
+        self.root = root
+        self.io_threads = io_threads
+        self.path: str | None = None
+        self.files: dict[tuple[int, int], _SpillFile] = {}
+        self.lock = threading.Lock()
+        self.writer: ThreadPoolExecutor | None = None
+        self.reader: ThreadPoolExecutor | None = None
+
+    def ensure(self) -> str:
+        with self.lock:
+            if self.path is None:
+                prefix = f"{_SPILL_PREFIX}{_host_id()}_{os.getpid()}_{_process_start_ticks(os.getpid())}_"
+                self.path = tempfile.mkdtemp(prefix=prefix, dir=self.root)  # mode 0o700
+                self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-spill-w")
+                self.reader = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="lazytrain-spill-r")
+            return self.path
+
+    def file(self, step: int, layer: int) -> _SpillFile:
+        path = self.ensure()
+        with self.lock:
+            f = self.files.get((step, layer))
+            if f is None:
+                p = os.path.join(path, f"step{step}_layer{layer:04d}.act")
+                f = _SpillFile(p, os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                self.files[(step, layer)] = f
+            return f
+
+    def reserve(self, f: _SpillFile, nbytes: int) -> int:
+        with self.lock:
+            off = f.size
+            f.size += nbytes
+            f.live += 1
+            return off
+
+    def drop(self, f: _SpillFile) -> None:
+        """One entry of ``f`` released; the file goes once it is sealed and empty."""
+        with self.lock:
+            f.live -= 1
+            if f.live <= 0 and f.sealed:
+                self._remove(f)
+
+    def seal(self, step: int, layer: int) -> None:
+        with self.lock:
+            f = self.files.get((step, layer))
+            if f is not None:
+                f.sealed = True
+                if f.live <= 0:
+                    self._remove(f)
+
+    def _remove(self, f: _SpillFile) -> None:
+        for key, g in list(self.files.items()):
+            if g is f:
+                del self.files[key]
+        if f.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(f.fd)
+            f.fd = -1
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(f.path)
+
+    def remove_all_files(self) -> None:
+        with self.lock:
+            for f in list(self.files.values()):
+                self._remove(f)
+            if self.path is not None and os.path.isdir(self.path):
+                # files of a failed write may not be registered yet: the directory must end up empty
+                for name in os.listdir(self.path):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(self.path, name))
+
+    def file_names(self) -> list[str]:
+        if self.path is None or not os.path.isdir(self.path):
+            return []
+        return sorted(os.listdir(self.path))
+
+    def cleanup(self) -> None:
+        """Remove every file and the directory; stop the I/O threads. Idempotent; runs at exit (finalize)."""
+        for pool in (self.writer, self.reader):
+            if pool is not None:
+                pool.shutdown(wait=True, cancel_futures=True)
+        self.writer = self.reader = None
+        self.remove_all_files()
+        if self.path is not None:
+            shutil.rmtree(self.path, ignore_errors=True)
+            self.path = None
+
+
+class NvmeTier(Tier):
+    """``nvme``: staged through a pooled host buffer, written to the layer's spill file by one ordered writer,
+    read back by the reader pool when the reload is issued.
+
+    Args:
+        ctx: the shared `TierContext`.
+        nvme_dir: the directory the engine's private spill directory is made in.
+        io_threads: reader threads.
+        max_inflight_bytes: staging bytes of writes in flight before a store waits for the oldest write.
+    """
+
+    name = "nvme"
+
+    def __init__(self, ctx: TierContext, nvme_dir: str, io_threads: int, max_inflight_bytes: int) -> None:
+        super().__init__(ctx)
+        self.nvme_dir = nvme_dir
+        self.max_inflight_bytes = int(max_inflight_bytes)
+        self.spill = SpillDir(nvme_dir, io_threads)
+        self.step = 0  # names this step's files
+        self._writes: deque[tuple[Future, int]] = deque()  # writes in flight: (future, staging bytes)
+        self._reads: deque[Future] = deque()  # reads issued
+        self._write_failure: tuple[OSError, int, int] | None = None  # (error, bytes attempted, layer)
+        self._io_delay = streams.SimDelay("nvme") if ctx.is_async and ctx.device.type == "cpu" else None
+
+    # ------------------------------------------------------------------ store: stage, then write
+    def store(self, layer: int, t: torch.Tensor, layout: Layout) -> Entry:
+        entry, staging = self._copy_off_device(layer, t, layout)
+        self._submit_write(entry, staging)
+        return entry
+
+    def _submit_write(self, entry: Entry, staging: torch.Tensor) -> None:
+        spill, acct, pool = self.spill, self.ctx.acct, self.ctx.pool
+        nbytes = entry.layout.nbytes
+        f = spill.file(self.step, entry.layer)
+        entry.file = f
+        entry.offset = spill.reserve(f, nbytes)
+        acct.add("nvme", nbytes)
+        # bound the staging memory of writes in flight: wait for the oldest ones first
+        inflight = sum(n for _, n in self._writes)
+        while self._writes and inflight + nbytes > self.max_inflight_bytes:
+            fut, n = self._writes.popleft()
+            with contextlib.suppress(Exception):
+                fut.result()
+            inflight -= n
+        while self._writes and self._writes[0][0].done():
+            self._writes.popleft()
+        event = entry.copy_event
+        layer = entry.layer
+        failure = self._record_write_failure
+        delay = self._io_delay
+
+        def write() -> None:
+            try:
+                if delay is not None:
+                    delay.sleep()
+                if event is not None:
+                    event.synchronize()  # the D2H copy into the pinned staging buffer
+                _pwrite_all(f.fd, _bytes_of(staging[:nbytes]), entry.offset)
+            except OSError as e:
+                failure(e, nbytes, layer)
+                raise
+            finally:
+                pool.put(staging)
+                acct.add("cpu", -nbytes)
+
+        entry.write_future = spill.writer.submit(write)
+        self._writes.append((entry.write_future, nbytes))
+
+    def _record_write_failure(self, e: OSError, nbytes: int, layer: int) -> None:
+        if self._write_failure is None:
+            self._write_failure = (e, nbytes, layer)
+
+    def raise_write_failure(self) -> None:
+        """Raise a failed write as `ActivationSpillError` on the calling thread, after removing the spill files."""
+        failure = self._write_failure
+        if failure is None:
+            return
+        e, nbytes, layer = failure
+        self._write_failure = None
+        # wait for the other writes and reads, then remove every spill file of the step before raising
+        self.wait_io()
+        self.spill.remove_all_files()
+        free = shutil.disk_usage(self.nvme_dir).free if os.path.isdir(self.nvme_dir) else 0
+        raise ActivationSpillError(
+            e.errno,
+            f"activation_nvme_dir={self.nvme_dir!r}: writing {nbytes} bytes ({format_bytes(nbytes)}) of layer "
+            f"{layer}'s activations failed: {e.strerror or e} ({free} bytes free). The spill files were removed. Free "
+            "space there, point activation_nvme_dir at a larger disk, or plan fewer layers with offload_nvme.",
+        )
+
+    # ------------------------------------------------------------------ reload: read back
+    def prefetch(self, entry: Entry) -> None:
+        new = self._new_reload(entry)
+        if new is None:
+            return
+        storage, narrow = new
+        ctx = self.ctx
+        alloc_event = ctx.lanes.compute_event() if ctx.is_async else None
+        entry.reload_future = self.spill.reader.submit(self._read, entry, narrow, storage, alloc_event)
+        with ctx.acct.lock:
+            while self._reads and self._reads[0].done():
+                self._reads.popleft()
+            self._reads.append(entry.reload_future)
+
+    def _read(self, entry: Entry, narrow: torch.Tensor, storage: torch.Tensor, alloc_event: Any) -> Any:
+        """Background reader: spill file -> device tensor. Returns the lane event of the H2D copy (None when
+        synchronous)."""
+        ctx = self.ctx
+        layout, f = entry.layout, entry.file
+        entry.write_future.result()  # reads follow the write of the same bytes
+        if self._io_delay is not None:
+            self._io_delay.sleep()
+        if not ctx.is_async and layout.dense:
+            _pread_all(f.fd, _bytes_of(layout.landing_bytes(storage)), entry.offset)  # lands in place
+            return None
+        staging = ctx.pool.get(layout.nbytes)
+        _pread_all(f.fd, _bytes_of(staging[: layout.nbytes]), entry.offset)
+        if not ctx.is_async:
+            narrow.copy_(layout.host_view(staging))
+            ctx.pool.put(staging)
+            return None
+        # See Note: [H2D waits for the block's previous users]
+        ev = ctx.lanes["h2d"].copy(narrow, layout.host_view(staging), after=(alloc_event,))
+        ctx.pool.put(staging, ev)  # See Note: [Pool buffers carry their last copy]
+        return ev
+
+    def materialize(self, entry: Entry) -> torch.Tensor:
+        if entry.released:
+            raise self._released_error(entry)
+        self.prefetch(entry)
+        fut = entry.reload_future
+        if fut is not None:
+            try:
+                ev = fut.result()
+            except OSError as e:
+                self.raise_write_failure()
+                raise OSError(
+                    e.errno, f"reading layer {entry.layer}'s activations back from {self.spill.path!r} failed: {e}"
+                ) from e
+            entry.reload_future = None
+            entry.reload_event = ev
+        return self._wait_reload(entry)
+
+    def release(self, entry: Entry) -> None:
+        if not self._release_reload(entry):
+            return
+        with self.ctx.acct.lock:
+            if entry.file is not None:
+                self.ctx.acct.add("nvme", -entry.layout.nbytes)
+                f, entry.file = entry.file, None
+                self.spill.drop(f)
+
+    # ------------------------------------------------------------------ step
+    def wait_io(self) -> None:
+        """Wait for every write and read in flight (before files are closed: their fds must stay valid)."""
+        for fut, _ in list(self._writes):
+            with contextlib.suppress(Exception):
+                fut.result()
+        self._writes.clear()
+        with self.ctx.acct.lock:
+            reads = list(self._reads)
+            self._reads.clear()
+        for fut in reads:
+            with contextlib.suppress(Exception):
+                fut.result()
+
+    def wait_writes(self) -> None:
+        for fut, _ in list(self._writes):
+            with contextlib.suppress(Exception):
+                fut.result()
+        self._writes.clear()
+
+    def end_step(self, raise_errors: bool) -> None:
+        """Remove this step's files; raise a pending write failure when ``raise_errors``."""
+        self.spill.remove_all_files()
+        self.step += 1
+        failure, self._write_failure = self._write_failure, None
+        if failure is not None and raise_errors:
+            self._write_failure = failure
+            self.raise_write_failure()

@@ -1,0 +1,91 @@
+"""The host buffer pool of the pinned-CPU tier (and of NVMe staging): byte buffers keyed by rounded size.
+
+Owns `HostBufferPool`. Knows nothing of layers or plans; the only asynchrony it sees is the event a buffer carries
+(Note: [Pool buffers carry their last copy]).
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+from .. import streams
+from ..units import format_bytes
+
+# Note: [Pool buffers are keyed by rounded size]
+# Activation shapes repeat every step, so a pool keyed by (rounded) byte size reaches a fixed point after the first
+# step: later steps allocate nothing. Rounding to 512 bytes lets tensors of nearly the same size share buffers.
+POOL_GRANULE = 512
+
+
+class HostBufferPool:
+    """Host byte buffers keyed by rounded size, reused across steps; pinned when ``pin_memory``.
+
+    Args:
+        pin_memory: allocate page-locked buffers (needs CUDA), so device copies can run asynchronously.
+
+    Each buffer may carry the CUDA event of the last asynchronous copy that reads or writes it;
+    `get` waits for that event before handing the buffer out again (Note: [Pool buffers carry their last copy]).
+    """
+
+    def __init__(self, pin_memory: bool = False, poison: bool = False) -> None:
+        self.pin_memory = pin_memory
+        self.poison = poison  # simulated asynchronous engine: buffers are poisoned when handed back
+        self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0  # bytes of all buffers this pool owns (free + handed out)
+        self.num_allocations = 0  # buffers ever allocated: stops growing once the pool reaches its fixed point
+
+    @staticmethod
+    def bucket(nbytes: int) -> int:
+        return max(POOL_GRANULE, -(-nbytes // POOL_GRANULE) * POOL_GRANULE)
+
+    def get(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer of at least ``nbytes`` bytes (exactly its bucket size)."""
+        size = self.bucket(nbytes)
+        with self._lock:
+            free = self._free.get(size)
+            entry = free.pop() if free else None
+        if entry is not None:
+            buf, event = entry
+            # Note: [Pool buffers carry their last copy]
+            # A buffer returned while an asynchronous copy still reads or writes it is only reused after that copy.
+            if event is not None:
+                event.synchronize()
+            return buf
+        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        with self._lock:
+            self.allocated_bytes += size
+            self.num_allocations += 1
+        return buf
+
+    def put(self, buf: torch.Tensor, event: Any = None) -> None:
+        """Return ``buf``; ``event`` (CUDA) is the last copy that uses it (See Note: [Pool buffers carry ...])."""
+        if self.poison:
+            streams.poison_after(buf, event)  # Note: [Simulated copies poison their destination]
+        with self._lock:
+            self._free.setdefault(buf.numel(), []).append((buf, event))
+
+    @property
+    def cached_bytes(self) -> int:
+        with self._lock:
+            return sum(b.numel() for v in self._free.values() for b, _ in v)
+
+    def clear(self) -> None:
+        """Free every cached buffer (buffers handed out stay valid and are simply dropped when put back later)."""
+        with self._lock:
+            freed = sum(b.numel() for v in self._free.values() for b, _ in v)
+            for v in self._free.values():
+                for _, ev in v:
+                    if ev is not None:
+                        ev.synchronize()
+            self._free.clear()
+            self.allocated_bytes -= freed
+
+    def __repr__(self) -> str:
+        return (
+            f"HostBufferPool(pin_memory={self.pin_memory}, allocated={format_bytes(self.allocated_bytes)}, "
+            f"cached={format_bytes(self.cached_bytes)}, allocations={self.num_allocations})"
+        )

@@ -1,0 +1,281 @@
+"""Tier backends: where one saved tensor lives between its layer's forward and backward.
+
+Every tier has the same interface, used by the router (`engine.py`) and the recomputer (`recompute.py`):
+
+- ``store(layer, t, layout) -> Entry``: take the tensor over (keep it, or start its copy off the device);
+- ``prefetch(entry)``: issue its reload now, so the copy overlaps compute (a no-op where nothing moves);
+- ``materialize(entry) -> Tensor``: the device tensor, waiting for the reload (issued on demand if it was not);
+- ``release(entry)``: give back everything the entry holds. Idempotent.
+
+`DeviceTier` (``gpu``) keeps the tensor; `HostTier` (``cpu``) copies it into a pooled (pinned) host buffer on the
+D2H lane and back on the H2D lane; `NvmeTier` (``nvme``, in `nvme.py`) stages through a host buffer and writes a
+spill file. The tiers share a `TierContext` (device, lanes, accountant, pool, in-flight offload sources). This module
+owns no policy: which tier a tensor goes to is the router's decision, from the plan.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections import deque
+from concurrent.futures import Future
+from typing import Any
+
+import torch
+
+from .. import streams
+from .accounting import Accountant
+from .layout import Layout
+from .pool import HostBufferPool
+
+
+class Entry:
+    """One stored saved tensor (or recompute input) of a layer, on the tier its layer plan names."""
+
+    __slots__ = (
+        "layer",
+        "tier",
+        "layout",
+        "holders",
+        "released",
+        "tensor",
+        "acct_key",
+        "host",
+        "copy_event",
+        "file",
+        "offset",
+        "write_future",
+        "reloaded",
+        "reload_key",
+        "reload_event",
+        "reload_future",
+        "reload_stream",
+        "__weakref__",
+    )
+
+    def __init__(self, layer: int, tier: str, layout: Layout | None) -> None:
+        self.layer, self.tier, self.layout = layer, tier, layout
+        self.holders = 0
+        self.released = False
+        self.tensor: torch.Tensor | None = None  # gpu tier: the tensor itself
+        self.acct_key: int | None = None
+        self.host: torch.Tensor | None = None  # cpu tier: the pool buffer
+        self.copy_event: Any = None  # asynchronous engines: the D2H copy into `host` / the staging buffer
+        self.file: Any = None  # nvme tier: its spill file
+        self.offset = 0
+        self.write_future: Future | None = None
+        self.reloaded: torch.Tensor | None = None  # the device tensor handed to autograd
+        self.reload_key: int | None = None
+        self.reload_event: Any = None
+        self.reload_future: Future | None = None
+        self.reload_stream: Any = None
+
+
+class TierContext:
+    """What the tiers of one engine share.
+
+    Args:
+        device: the compute device.
+        lanes: the copy lanes (`lazytrain_hf.streams`); ``None`` for synchronous CPU copies.
+        pin_memory: pin the host buffer pool.
+    """
+
+    def __init__(self, device: torch.device, lanes: streams.Lanes | None, pin_memory: bool) -> None:
+        self.device = device
+        self.lanes = lanes
+        self.is_async = lanes is not None
+        self.acct = Accountant()
+        # the simulated asynchronous engine poisons buffers handed back (Note: [Simulated copies poison ...])
+        self.pool = HostBufferPool(pin_memory=pin_memory, poison=self.is_async and device.type == "cpu")
+        self.inflight: deque[tuple[Any, torch.Tensor, int | None]] = deque()  # (event, source, acct key)
+        self.layer_bytes: dict[int, dict[str, int]] = {}
+
+    def count_layer(self, layer: int, tier: str, n: int) -> None:
+        d = self.layer_bytes.setdefault(layer, {"gpu": 0, "cpu": 0, "nvme": 0})
+        d[tier] += n
+
+    def poll_inflight(self) -> None:
+        """Offload sources whose D2H copy completed stop counting as device bytes."""
+        while self.inflight and self.inflight[0][0].query():
+            _, _, key = self.inflight.popleft()
+            self.acct.remove_storage(key)
+
+    def drain_inflight(self) -> None:
+        while self.inflight:
+            ev, _, key = self.inflight.popleft()
+            ev.synchronize()
+            self.acct.remove_storage(key)
+
+
+class Tier:
+    """The interface (see the module docstring) and what the moving tiers share: reload storage, release."""
+
+    name = ""
+
+    def __init__(self, ctx: TierContext) -> None:
+        self.ctx = ctx
+
+    def store(self, layer: int, t: torch.Tensor, layout: Layout | None) -> Entry:
+        raise NotImplementedError
+
+    def prefetch(self, entry: Entry) -> None:
+        raise NotImplementedError
+
+    def materialize(self, entry: Entry) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release(self, entry: Entry) -> None:
+        raise NotImplementedError
+
+    # ------------------------------------------------------------------ shared by the cpu and nvme tiers
+    @staticmethod
+    def _released_error(entry: Entry) -> RuntimeError:
+        return RuntimeError(
+            f"a saved activation of layer {entry.layer} was released by end_step() before backward used it; "
+            "call end_step() only after backward."
+        )
+
+    def _new_reload(self, entry: Entry) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Allocate the device storage of a reload (under the accountant's lock); None if already issued."""
+        ctx = self.ctx
+        with ctx.acct.lock:
+            if entry.released or entry.reloaded is not None:
+                return None
+            storage, narrow, final = entry.layout.empty(ctx.device)
+            entry.reloaded = final
+            entry.reload_key, _ = ctx.acct.add_storage(final)
+        if ctx.device.type == "cuda":
+            entry.reload_stream = torch.cuda.current_stream(ctx.device)
+        return storage, narrow
+
+    def _wait_reload(self, entry: Entry) -> torch.Tensor:
+        """The reloaded tensor once the compute side may read it."""
+        ctx = self.ctx
+        out = entry.reloaded
+        if ctx.is_async:
+            ctx.lanes.compute_wait(entry.reload_event)
+        if ctx.device.type == "cuda":
+            cur = torch.cuda.current_stream(ctx.device)
+            if entry.reload_stream is not None and entry.reload_stream != cur:
+                out.record_stream(cur)  # allocated on another stream than the one that frees it
+        return out
+
+    def _copy_off_device(self, layer: int, t: torch.Tensor, layout: Layout) -> tuple[Entry, torch.Tensor]:
+        """Copy ``t`` into a pool buffer (the D2H lane when asynchronous): the cpu tier's store and the nvme tier's
+        staging. Returns the entry and the buffer."""
+        ctx = self.ctx
+        entry = Entry(layer, self.name, layout)
+        nbytes = layout.nbytes
+        buf = ctx.pool.get(nbytes)
+        host = layout.host_view(buf)
+        src = layout.source(t)
+        if ctx.is_async:
+            # Note: [D2H waits for the producer]
+            # The side stream must not read the activation before the compute stream has written it.
+            ev = ctx.lanes["d2h"].copy(host, src, after_compute=True)
+            # Note: [Offload source stays alive until its copy completes]
+            # Autograd drops its reference to `t` now (it holds our `Saved`); the caching allocator could hand the
+            # block to the next kernel while the D2H copy still reads it. The source is held in `inflight` until
+            # its event completes (polled at every pack / end_layer), instead of record_stream, whose deferred
+            # frees fragment the allocator. It counts as device bytes until then.
+            key, _ = ctx.acct.add_storage(t)
+            ctx.inflight.append((ev, t, key))
+            entry.copy_event = ev
+        else:
+            host.copy_(src)
+        ctx.acct.add("cpu", nbytes)
+        ctx.count_layer(layer, self.name, nbytes)
+        return entry, buf
+
+    def _release_reload(self, entry: Entry) -> bool:
+        """The release steps every tier shares; False when the entry was released already."""
+        acct = self.ctx.acct
+        with acct.lock:
+            if entry.released:
+                return False
+            entry.released = True
+            entry.tensor = None
+            if entry.acct_key is not None:
+                acct.remove_storage(entry.acct_key)
+                entry.acct_key = None
+            fut = entry.reload_future
+        if fut is not None:
+            with contextlib.suppress(Exception):
+                fut.result()  # the reader writes into `reloaded`: let it finish before dropping it
+        if entry.reload_event is not None:
+            entry.reload_event.synchronize()
+        with acct.lock:
+            entry.reloaded = None
+            entry.reload_future = None
+            if entry.reload_key is not None:
+                acct.remove_storage(entry.reload_key)
+                entry.reload_key = None
+        return True
+
+
+class DeviceTier(Tier):
+    """``gpu``: the tensor stays where it is, counted as device bytes until released."""
+
+    name = "gpu"
+
+    def store(self, layer: int, t: torch.Tensor, layout: Layout | None = None) -> Entry:
+        ctx = self.ctx
+        entry = Entry(layer, self.name, None)
+        entry.tensor = t
+        entry.acct_key, n = ctx.acct.add_storage(t)
+        ctx.count_layer(layer, self.name, n)
+        return entry
+
+    def prefetch(self, entry: Entry) -> None:
+        return None
+
+    def materialize(self, entry: Entry) -> torch.Tensor:
+        if entry.tensor is None:
+            raise self._released_error(entry)
+        return entry.tensor
+
+    def release(self, entry: Entry) -> None:
+        self._release_reload(entry)
+
+
+class HostTier(Tier):
+    """``cpu``: a pooled host buffer (pinned on CUDA), filled on the D2H lane and reloaded on the H2D lane."""
+
+    name = "cpu"
+
+    def store(self, layer: int, t: torch.Tensor, layout: Layout) -> Entry:
+        entry, buf = self._copy_off_device(layer, t, layout)
+        entry.host = buf
+        return entry
+
+    def prefetch(self, entry: Entry) -> None:
+        new = self._new_reload(entry)
+        if new is None:
+            return
+        _, narrow = new
+        ctx = self.ctx
+        src = entry.layout.host_view(entry.host)
+        if ctx.is_async:
+            # Note: [H2D waits for the block's previous users]
+            # `storage` was allocated on the current stream, whose earlier kernels may still use the block it
+            # reuses; the side stream writes only after them. Note: [Reload waits for the offload copy]: and
+            # only after the D2H copy that filled the host buffer.
+            entry.reload_event = ctx.lanes["h2d"].copy(narrow, src, after=(entry.copy_event,), after_compute=True)
+        else:
+            narrow.copy_(src)
+
+    def materialize(self, entry: Entry) -> torch.Tensor:
+        if entry.released:
+            raise self._released_error(entry)
+        self.prefetch(entry)
+        return self._wait_reload(entry)
+
+    def release(self, entry: Entry) -> None:
+        if not self._release_reload(entry):
+            return
+        ctx = self.ctx
+        with ctx.acct.lock:
+            if entry.host is not None:
+                # the H2D copy of a reload may still read it; See Note: [Pool buffers carry their last copy]
+                ctx.pool.put(entry.host, entry.reload_event or entry.copy_event)
+                entry.host = None
+                ctx.acct.add("cpu", -entry.layout.nbytes)
