@@ -441,7 +441,7 @@ def calibrated_profile(base, fwd: list[float], bwd: list[float], cm) -> tuple[An
 def measure_layer_times(model, device, batch, passes: int) -> tuple[list[float], list[float]]:
     """Per-layer forward / backward seconds of the streamed model, as the trainer's timed warm-up measures them
     (at least 2 passes: the first is dropped)."""
-    from lazytrain_hf.trainer import time_streamed_layers
+    from lazytrain_hf.training.planning import time_streamed_layers
 
     return time_streamed_layers(model, batch, device, max(2, passes))
 
@@ -455,7 +455,7 @@ def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: s
     """
     from lazytrain_hf.optim import HybridAdamW8bit, clip_coefficient
     from lazytrain_hf.streaming import attach
-    from lazytrain_hf.trainer import LayerwiseUpdater
+    from lazytrain_hf.training.updater import LayerwiseUpdater
 
     t0 = time.perf_counter()
     handle = attach(model, plan=plan, device=device, nvme_dir=nvme_dir)

@@ -11,10 +11,10 @@ from trainer_fixtures import token_dataset
 from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments, models
-from lazytrain_hf import trainer as trainer_mod
 from lazytrain_hf.planner import hardware, milp
 from lazytrain_hf.planner.plan import LayerPlan, Plan
 from lazytrain_hf.streaming import hooks
+from lazytrain_hf.training import planning
 
 
 def mixed_plan(kinds: list[str], micro_batch_size: int = 2) -> Plan:
@@ -49,7 +49,7 @@ def no_planning(monkeypatch):
 
     monkeypatch.setattr(hardware, "measure", forbidden)
     monkeypatch.setattr(hardware, "get_profile", forbidden)
-    monkeypatch.setattr(trainer_mod, "time_streamed_layers", forbidden)
+    monkeypatch.setattr(planning, "time_streamed_layers", forbidden)
     monkeypatch.setattr(milp, "plan_for_model", forbidden)
 
 

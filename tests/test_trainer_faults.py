@@ -19,7 +19,7 @@ def _weights(model):
 
 
 def test_host_memory_refused_before_allocation(tmp_path, monkeypatch):
-    import lazytrain_hf.trainer as lt
+    import lazytrain_hf.training.planning as lt
 
     tr = make_trainer(tmp_path, max_steps=2, planner_policy="default")
     before = _weights(tr.model)
@@ -37,7 +37,7 @@ def test_host_memory_refused_before_allocation(tmp_path, monkeypatch):
 
 
 def test_host_memory_suggests_a_batch_that_fits(tmp_path, monkeypatch):
-    import lazytrain_hf.trainer as lt
+    import lazytrain_hf.training.planning as lt
     from lazytrain_hf.planner.plan import Plan
 
     tr = make_trainer(tmp_path, max_steps=1, planner_policy="default")

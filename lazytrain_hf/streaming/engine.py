@@ -36,7 +36,7 @@ Note: [Host compute copy is not rewritten while a fetch reads it]
     `wait_host_reads(layer)` blocks the host until that copy finished and must be called before the optimizer
     (or `LayerStore.sync`) rewrites the compute copy. Conversely the trainer updates layer ``i`` before the next
     step's forward fetches it, and before the forward of a resident layer ``i`` (``StreamHandle.fetch_guard``; Note:
-    [Update before fetch] in trainer.py). Tests: the plan-space property test with ``optimizer_overlap`` (the
+    [Update before fetch] in training/updater.py). Tests: the plan-space property test with ``optimizer_overlap`` (the
     update-before-fetch half). The first half is not observable on the CPU: the simulated compute side waits for a
     copy on the host (Note: [Compute is synchronous in the simulation] in lazytrain_hf/streams.py), so no fetch is
     still reading when the optimizer runs; on CUDA the host runs ahead of the copy and this wait is what orders it.

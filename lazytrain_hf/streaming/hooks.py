@@ -208,7 +208,7 @@ class StreamHandle:
         self._callbacks: OrderedDict[int, Callable[[int, dict[str, torch.Tensor]], None]] = OrderedDict()
         # Called as fetch_guard(layer) before any fetch of a layer reads its host compute copy and before every
         # forward of a resident layer; the trainer uses it to make both wait for that layer's optimizer update
-        # (Note: [Update before fetch] in trainer.py).
+        # (Note: [Update before fetch] in training/updater.py).
         self.fetch_guard: Callable[[int], None] | None = None
         # Called as resident_guard() when a forward begins: the trainer makes it wait for the update of the
         # parameters that are not streamed (embeddings, final norm, lm_head, adapters), which the forward reads first.

@@ -1,0 +1,337 @@
+"""The plan a run trains with: hardware profile -> timed warm-up -> solve (or a baseline, or the default plan).
+
+Owns `make_plan` (what `LazyTrainer.train()` runs when no plan is given), the timed warm-up (`measure_layer_times`,
+`time_streamed_layers`: per-layer forward/backward seconds of the model streamed with the default plan), plan files
+(`load_plan_file`, `save_plan`: JSON and timeline picture in output_dir) and the checks made before anything is
+attached or allocated (`check_plan_fits`, `check_host_memory`). Takes the model, the `LazyTrainingArguments` and a
+collated batch as plain values: it never imports `transformers.Trainer`, never changes the arguments (adopting the
+plan's batch size is the trainer's) and leaves the model as it found it (parameters, gradients, hooks, train/eval
+mode, every RNG state).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from typing import Any
+
+import torch
+from transformers.utils import logging
+
+from .. import models
+from ..units import format_bytes
+from .checkpoints import write_plan
+
+logger = logging.get_logger(__name__)
+
+TIMELINE_FILE = "lazytrain_timeline.png"
+
+# Attention implementations by what their backward saves: "eager" keeps the T x T probabilities, the fused kernels
+# (sdpa, flash, flex) keep O(T) statistics like sdpa.
+ATTENTION_COST_CLASS = {
+    "eager": "eager",
+    "sdpa": "sdpa",
+    "flash_attention_2": "sdpa",
+    "flash_attention_3": "sdpa",
+    "flex_attention": "sdpa",
+}
+
+
+def unwrap_base(model: torch.nn.Module) -> torch.nn.Module:
+    """The `*ForCausalLM` under PEFT / DDP wrappers."""
+    inner = getattr(model, "module", model)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    return inner
+
+
+def attention_cost_class(config: Any) -> str:
+    impl = getattr(config, "_attn_implementation", None) or "sdpa"
+    if impl not in ATTENTION_COST_CLASS:
+        raise ValueError(
+            f"attn_implementation={impl!r} is not supported by the LazyTrain planner; use one of "
+            f"{', '.join(ATTENTION_COST_CLASS)} (e.g. from_pretrained(..., attn_implementation='sdpa'))."
+        )
+    return ATTENTION_COST_CLASS[impl]
+
+
+# ---------------------------------------------------------------------- planning
+def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor]):
+    """Profile -> warm-up timings -> plan, per ``args.planner_*``, for training ``model`` on micro-batches shaped
+    like ``batch`` (one collated training micro-batch).
+
+    Returns ``(plan, cost_model)``; ``cost_model`` is None for ``planner_policy="default"`` (no profile, warm-up or
+    solve). With auto batch size the plan may choose another micro-batch size than ``batch``'s; the caller adopts it.
+    """
+    from ..planner import baselines, costmodel, hardware, milp
+    from ..planner.plan import Plan
+
+    a = args
+    base = unwrap_base(model)
+    config = base.config
+    kinds = models.layer_kinds(config)
+    seq_len = int(batch["input_ids"].shape[1])
+    mbs = int(batch["input_ids"].shape[0])
+
+    if a.planner_policy == "default":
+        plan = Plan.default(
+            len(kinds),
+            kinds,
+            prefetch_depth=a.stream_prefetch_depth,
+            micro_batch_size=mbs,
+            seq_len=seq_len,
+            loss_chunk_tokens=a.stream_loss_chunk_tokens,
+            stream_embeddings=a.stream_embeddings,
+            model=config.model_type,
+        )
+        return plan, None
+
+    profile = (
+        hardware.measure(
+            cache_path=os.path.join(a.output_dir, "hardware_profile.json"),
+            device=str(a.device),
+            nvme_dir=a.activation_nvme_dir,
+        )
+        if a.planner_hardware == "auto"
+        else hardware.get_profile(a.planner_hardware)
+    )
+    dtype_bytes = 4 if next(base.parameters()).dtype == torch.float32 else 2
+    attn = attention_cost_class(config)
+    common = dict(loss_chunk_tokens=a.stream_loss_chunk_tokens, attn_implementation=attn)
+    measured = None
+    if a.planner_warmup_steps > 0:
+        measured = measure_layer_times(model, batch, a.device, a.planner_warmup_steps)
+    nvme_budget = 0
+    if "nvme" in a.activation_tiers and a.activation_nvme_dir:
+        nvme_budget = int(shutil.disk_usage(_existing_parent(a.activation_nvme_dir)).free * 0.9)
+
+    if a.planner_policy == "milp":
+        plan = milp.plan_for_model(
+            config,
+            profile,
+            seq_len=seq_len,
+            micro_batch_size=mbs,
+            auto_batch_size=a.planner_auto_batch_size,
+            max_batch_size=a.planner_max_batch_size,
+            gpu_budget=a.planner_gpu_budget,
+            host_budget=a.planner_host_budget,
+            nvme_budget=nvme_budget,
+            allowed_tiers=tuple(a.activation_tiers),
+            time_limit=a.planner_time_limit,
+            gap=a.planner_mip_gap,
+            solver=a.planner_solver,
+            dtype_bytes=dtype_bytes,
+            measured_times=measured,
+            **common,
+        )
+    # the cost model of the batch the plan trains with (auto batch size may have changed it): the baselines and
+    # the timeline are made from it; measured layer times apply to the measured batch only
+    plan_mbs = plan.micro_batch_size if a.planner_policy == "milp" else mbs
+    cm = costmodel.CostModel.from_config(
+        config, profile, seq_len=seq_len, micro_batch_size=plan_mbs, dtype_bytes=dtype_bytes, **common
+    )
+    if measured is not None and plan_mbs == mbs:
+        cm = cm.with_measured_times(*measured)
+    if a.planner_policy != "milp":
+        plan = baselines.make_baseline(a.planner_policy, cm)
+    plan.loss_chunk_tokens = a.stream_loss_chunk_tokens
+    plan.stream_embeddings = plan.stream_embeddings or a.stream_embeddings
+    plan.model = plan.model or config.model_type
+    return plan, cm
+
+
+def save_plan(plan, cost_model, output_dir: str) -> None:
+    """Write the plan (JSON) and its simulated timeline (PNG, when matplotlib is installed) to ``output_dir``."""
+    write_plan(plan, output_dir)
+    logger.warning("LazyTrain plan:\n" + plan.table())
+    try:
+        from ..planner import simulate
+
+        simulate.draw_timeline(simulate.simulate(plan, cost_model), os.path.join(output_dir, TIMELINE_FILE))
+    except ImportError as e:  # matplotlib is optional (extra `plot`)
+        logger.warning(f"timeline picture not drawn ({e}); pip install 'lazytrain-hf[plot]' to get it.")
+
+
+def load_plan_file(path: str, output_dir: str | None = None):
+    """The plan at ``path`` (`planner_plan`), to be executed as is (no profile, warm-up or solve); written to
+    ``output_dir`` when given."""
+    from ..planner.plan import Plan
+
+    plan = Plan.from_json(path)
+    if output_dir is not None:
+        write_plan(plan, output_dir)
+    return plan
+
+
+# ---------------------------------------------------------------------- checks before anything is allocated
+def check_plan_fits(
+    plan, model: torch.nn.Module, args: Any, where: str | None = None, check_batch: bool = True
+) -> None:
+    """Refuse a plan made for another model or (``check_batch``) another micro-batch size than
+    ``args.per_device_train_batch_size``, or one that needs a directory the arguments do not give."""
+    base = unwrap_base(model)
+    kinds = models.layer_kinds(base.config)
+    src = f"the plan from {where}" if where else "the plan"
+    fix = (
+        "make a plan for this model and batch (`lazytrain plan --model <config.json> --batch-size N --save "
+        "plan.json`) or drop planner_plan to plan at train() start"
+    )
+    if plan.num_layers != len(kinds):
+        raise ValueError(
+            f"{src}: field `layers` has {plan.num_layers} entries but the model has {len(kinds)} decoder layers; "
+            f"{fix}."
+        )
+    for lp, kind in zip(plan.layers, kinds):
+        if lp.kind != kind:
+            raise ValueError(
+                f"{src}: field `layers[{lp.index}].kind` is {lp.kind!r} but the model's layer {lp.index} is "
+                f"{kind!r}; {fix}."
+            )
+    if check_batch and plan.micro_batch_size != args.per_device_train_batch_size:
+        raise ValueError(
+            f"{src}: field `micro_batch_size` is {plan.micro_batch_size} but per_device_train_batch_size is "
+            f"{args.per_device_train_batch_size}; set per_device_train_batch_size={plan.micro_batch_size} "
+            f"or {fix}."
+        )
+    nvme = [lp.index for lp in plan.layers if lp.tier == "nvme"]
+    if nvme and not args.activation_nvme_dir:
+        raise ValueError(
+            f"{src}: layers {nvme} keep activations on the nvme tier but activation_nvme_dir is not set; pass "
+            "activation_nvme_dir=/path/on/fast/disk or use a plan without the nvme tier."
+        )
+
+
+def check_host_memory(plan, model: torch.nn.Module, hybrid_8bit: bool) -> None:
+    """Refuse a run whose host store, optimizer state (8-bit moments with ``hybrid_8bit``, else fp32) and pinned
+    activation buffers would not fit in the host memory available now, with the numbers and what would fit."""
+    params = list(model.parameters())
+    n_train = sum(p.numel() for p in params if p.requires_grad)
+    n_all = sum(p.numel() for p in params)
+    dtype = params[0].dtype if params else torch.float32
+    master = 0 if dtype == torch.float32 else 4 * n_train  # fp32 compute copies are the master (aliased)
+    grads = 4 * n_train
+    optim = 2 * n_train if hybrid_8bit else 8 * n_train
+    pinned = int(plan.predicted.get("pinned_host_bytes", 0) or 0)
+    fixed = master + grads + optim
+    available = _available_host_bytes()
+    if available is None or fixed + pinned <= available:
+        return
+    per_seq = pinned / max(1, plan.micro_batch_size)
+    fits = int((available - fixed) // per_seq) if per_seq and available > fixed else 0
+    hint = (
+        f"per_device_train_batch_size <= {fits} fits"
+        if fits >= 1
+        else f"even batch 1 does not fit: the model itself needs {format_bytes(fixed)} ({n_all} parameters); "
+        "train LoRA adapters (frozen weights need no gradients or optimizer state) or use a larger machine"
+    )
+    raise ValueError(
+        f"host memory: this run needs {fixed + pinned} bytes ({format_bytes(fixed + pinned)}): fp32 master "
+        f"{format_bytes(master)}, gradients {format_bytes(grads)}, optimizer state {format_bytes(optim)}, pinned "
+        f"activations {format_bytes(pinned)} at micro-batch {plan.micro_batch_size}; only {available} bytes "
+        f"({format_bytes(available)}) are available. {hint}; or set planner_host_budget / allow the nvme tier "
+        "(activation_tiers) so activations leave host memory."
+    )
+
+
+def _available_host_bytes() -> int | None:
+    """MemAvailable from /proc/meminfo (Linux), else None (not checked)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _existing_parent(path: str) -> str:
+    while not os.path.exists(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+# ---------------------------------------------------------------------- timed warm-up
+def measure_layer_times(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, steps: int
+) -> tuple[list[float], list[float]]:
+    """Median forward and backward seconds per decoder layer over ``steps`` timed forward+backward passes
+    (`time_streamed_layers`), restoring every RNG state and the train/eval mode: warm-up never changes training.
+    """
+    rng = _rng_state()
+    was_training = model.training
+    try:
+        model.train()
+        return time_streamed_layers(model, batch, device, max(1, steps))
+    finally:
+        model.train(was_training)
+        _set_rng_state(rng)
+
+
+def time_streamed_layers(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, passes: int
+) -> tuple[list[float], list[float]]:
+    """Median forward and backward seconds per decoder layer over ``passes`` forward+backward passes of ``model``
+    streamed with the default plan (the executor's own costs included), the first pass dropped (it pays one-off
+    allocation costs). Parameters and gradients are left as they were. Used by the trainer's timed warm-up and by
+    `benchmarks/gpu_check.py`."""
+    from ..streaming import attach
+
+    layers = models.decoder_layers(unwrap_base(model))
+    fwd: list[list[float]] = [[] for _ in layers]
+    bwd: list[list[float]] = [[] for _ in layers]
+    t_start: dict[tuple[str, int], float] = {}
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+    def clock() -> float:
+        sync()
+        return time.perf_counter()
+
+    hooks = []
+    for i, layer in enumerate(layers):
+        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: t_start.__setitem__(("f", i), clock())))
+        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd[i].append(clock() - t_start["f", i])))
+        hooks.append(layer.register_full_backward_pre_hook(lambda m, g, i=i: t_start.__setitem__(("b", i), clock())))
+        hooks.append(
+            layer.register_full_backward_hook(lambda m, gi, go, i=i: bwd[i].append(clock() - t_start["b", i]))
+        )
+    handle = attach(model, plan=None, device=device)
+    try:
+        for _ in range(passes):
+            handle.causal_lm_loss(model, dict(batch)).backward()
+            handle.zero_grad()
+    finally:
+        handle.remove()
+        for h in hooks:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+
+    def med(xs: list[float]) -> float:
+        xs = sorted(xs[1:] if len(xs) > 1 else xs)
+        return xs[len(xs) // 2] if xs else 0.0
+
+    return [med(x) for x in fwd], [med(x) for x in bwd]
+
+
+def _rng_state() -> dict[str, Any]:
+    import random
+
+    import numpy as np
+
+    state = {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def _set_rng_state(state: dict[str, Any]) -> None:
+    import random
+
+    import numpy as np
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state:
+        torch.cuda.set_rng_state_all(state["cuda"])

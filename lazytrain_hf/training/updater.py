@@ -1,0 +1,204 @@
+"""The optimizer step of a streamed model, layer by layer, in layer order, optionally overlapping the next forward.
+
+Owns `LayerwiseUpdater`: which tensors the optimizer sees (per-layer views of the host store's fp32 masters and
+gradient accumulators, fp32 host masters of the resident parameters), when gradients are taken over, the background
+update thread and the guards the executor calls before it reads a weight (Note: [Update before fetch]), and the bf16
+compute copy written in the same pass (Note: [The compute copy is written in the fused pass]). The update math is
+the optimizer's (`HybridAdamW8bit._update`); clipping coefficients and skipped steps are decided by the trainer and
+passed in. This module never imports `transformers.Trainer` and allocates neither host store nor device slots: it
+writes streamed layers' weights through the `StreamHandle` it is given (``sync_compute``) and resident parameters
+in place.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from ..streams import SimDelay, simulate_async
+
+
+class LayerwiseUpdater:
+    """Runs the optimizer update of a streamed model parameter group by layer, in layer order.
+
+    The optimizer sees, per streamed layer, views of the layer's flat fp32 master with ``.grad`` set to views of its
+    flat fp32 gradient accumulator, and one fp32 host master per resident parameter (the parameter itself when it
+    already is an fp32 CPU tensor). `run()` updates the resident parameters first (the next forward needs the
+    embedding before anything else), then layers 0..L-1, refreshing each layer's compute copy right after its update.
+
+    With ``overlap=True`` the updates run on a background thread and `run()` returns at once, so the next step's
+    forward starts while later layers are still being updated.
+
+    Note: [Update before fetch]
+        The executor calls `wait_layer(i)` (its ``fetch_guard``) before any fetch of layer ``i`` reads the host
+        compute copy and before every forward of a plan-resident layer ``i`` (whose dedicated slot the update
+        re-uploads), and `wait_resident()` (its ``resident_guard``) when any forward begins (training, evaluation,
+        prediction, generation): nothing reads a weight before its update of the previous step is complete.
+        Hyperparameters (lr, betas, eps, weight decay) are frozen when `run()` is called, so an LR scheduler stepping
+        while the thread works does not change this step's update. Gradients are taken over at `run()`, after
+        `StreamHandle.synchronize` (Note: [Host accumulators are read only after their copy landed] in
+        streaming/engine.py): resident ones detached from the parameters, streamed ones read from host buffers the
+        next backward only writes after the next forward, which waits for every layer. `run()` also marks the
+        resident slots released (the step's compute is queued), so the uploads are ordered after it. Tests:
+        ``tests/test_plan_space.py`` (the property test with ``optimizer_overlap`` and resident layers under the
+        simulated asynchronous engine, and one regression test per guard).
+
+    Note: [The compute copy is written in the fused pass]
+        For a layer whose trainable compute copy is bf16 (and not the master itself), the fused optimizer pass
+        writes the bf16 weights straight into the host compute copy (``out_bf16``), so no second pass over the layer
+        (`LayerStore.sync`) follows. The write waits for fetches still reading the compute copy first (Note: [Host
+        compute copy is not rewritten while a fetch reads it] in streaming/engine.py).
+    """
+
+    def __init__(self, handle, overlap: bool = False):
+        self.handle = handle
+        self.overlap = overlap
+        self.layers: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # i -> [(name, master, grad)]
+        for i, ls in sorted(handle.store.layers.items()):
+            if ls.master is None:
+                continue
+            self.layers[i] = [(e.name, ls.master_views[e.name], ls.grad_views[e.name]) for e in ls.trainable_entries]
+        # resident: (name, parameter, fp32 host master). An fp32 CPU parameter is updated in place through an alias
+        # (`p.detach()`: same storage, its own `.grad`), so `zero_grad()` on the model never races the update.
+        self.resident: list[tuple[str, torch.nn.Parameter, torch.Tensor]] = []
+        for name, p in handle.resident_parameters():
+            direct = p.device.type == "cpu" and p.dtype == torch.float32
+            self.resident.append((name, p, p.detach() if direct else p.detach().to("cpu", torch.float32).clone()))
+        self._aliased = {id(m) for _, p, m in self.resident if m.data_ptr() == p.data_ptr()}
+        # Note: [The compute copy is written in the fused pass]: per layer, its bf16 compute views (or None)
+        self._outs: dict[int, list[torch.Tensor] | None] = {}
+        for i, entries in self.layers.items():
+            ls = handle.store.layers[i]
+            fused = not ls.aliased and all(e.dtype == torch.bfloat16 for e in ls.trainable_entries)
+            self._outs[i] = [ls.compute_views[name] for name, _, _ in entries] if fused else None
+        self._events = {i: threading.Event() for i in self.layers}
+        self._resident_done = threading.Event()
+        for ev in [*self._events.values(), self._resident_done]:
+            ev.set()
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._where: dict[int, tuple[int, int]] = {}
+        # LAZYTRAIN_SIMULATE_ASYNC=1: the background update lags by seeded random delays (lazytrain_hf.streams)
+        self._delay = SimDelay("optimizer") if overlap and simulate_async() else None
+        handle.fetch_guard = self.wait_layer
+        handle.resident_guard = self.wait_resident
+
+    def named_masters(self) -> list[tuple[str, torch.Tensor]]:
+        out = [(name, master) for name, _, master in self.resident]
+        for entries in self.layers.values():
+            out.extend((name, master) for name, master, _ in entries)
+        return out
+
+    def bind(self, optimizer: torch.optim.Optimizer) -> None:
+        self.optimizer = optimizer
+        self._where = {
+            id(p): (gi, k) for gi, g in enumerate(optimizer.param_groups) for k, p in enumerate(g["params"])
+        }
+
+    # ------------------------------------------------------------------ running
+    def run(self, clip_coef: float | None) -> None:
+        self.wait_all()
+        self.handle.synchronize()  # Note: [Update before fetch]: the host accumulators are complete
+        self.handle.mark_resident_released()
+        opt = self.optimizer
+        frozen = [{k: v for k, v in g.items()} for g in opt.param_groups]
+        # take the gradients over now (Note: [Update before fetch])
+        resident = []
+        for _, p, master in self.resident:
+            g = p.grad
+            if g is not None and id(master) in self._aliased:
+                master.grad = g  # the model's `.grad` may be cleared now: the alias keeps the tensor
+            else:
+                master.grad = None if g is None else g.detach().to("cpu", torch.float32)
+            resident.append((p, master))
+        layers = []
+        for i, entries in self.layers.items():
+            fresh = self.handle.store.layers[i].has_grad
+            for _, master, grad in entries:
+                master.grad = grad if fresh else None
+            layers.append((i, [m for _, m, _ in entries]))
+            self._events[i].clear()
+        self._resident_done.clear()
+        work = (frozen, resident, layers, clip_coef)
+        if self.overlap:
+            self._thread = threading.Thread(target=self._work, args=work, name="lazytrain-optimizer", daemon=True)
+            self._thread.start()
+        else:
+            self._work(*work)
+            self._raise()
+            self.handle.wait_uploads()  # the model reads as updated once the step returns
+
+    def _update(
+        self, frozen: list[dict], params: list[torch.Tensor], clip: float | None, outs: list | None = None
+    ) -> bool:
+        """One fused pass per tensor; ``outs`` (one bf16 view per tensor) receive the compute copy. Returns whether
+        every tensor's compute copy was written (all had a gradient)."""
+        opt = self.optimizer
+        if self._delay is not None:
+            self._delay.sleep()
+        written = outs is not None
+        for k, p in enumerate(params):
+            if p.grad is None:
+                written = False
+                continue
+            gi, j = self._where[id(p)]
+            opt._update(p, frozen[gi], j, 1.0 if clip is None else float(clip), None if outs is None else outs[k])
+        return written
+
+    def _work(self, frozen, resident, layers, clip) -> None:
+        try:
+            with torch.no_grad():
+                self._update(frozen, [m for _, m in resident], clip)
+                for p, master in resident:
+                    if id(master) not in self._aliased:
+                        p.data.copy_(master, non_blocking=True)
+                    master.grad = None
+                self._resident_done.set()
+                for i, params in layers:
+                    outs = self._outs[i]
+                    if outs is not None:
+                        self.handle.engine.wait_host_reads(i)  # Note: [The compute copy is written in the fused pass]
+                    written = self._update(frozen, params, clip, outs)
+                    for m in params:
+                        m.grad = None
+                    self.handle.sync_compute(i, compute_written=written)
+                    self._events[i].set()
+        except BaseException as e:  # surfaced to the training thread by the next wait
+            self._error = e
+        finally:
+            self._resident_done.set()
+            for ev in self._events.values():
+                ev.set()
+
+    # ------------------------------------------------------------------ waiting
+    def _raise(self) -> None:
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError("the layer-wise optimizer step failed") from err
+
+    def wait_layer(self, i: int) -> None:
+        ev = self._events.get(i)
+        if ev is not None:
+            ev.wait()
+        self._raise()
+
+    def wait_resident(self) -> None:
+        self._resident_done.wait()
+        self._raise()
+
+    def wait_all(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+            self._raise()
+            self.handle.wait_uploads()
+        self._raise()
+
+    def close(self) -> None:
+        try:
+            self.wait_all()
+        finally:
+            self.handle.fetch_guard = None
+            self.handle.resident_guard = None
