@@ -1,0 +1,340 @@
+"""The PuLP formulation of the LazyTrain MILP: variables, constraints and objective; warm start; plan extraction.
+
+Owns: `_build` (one commented variable block, one `# [Constraint]` block per rule of the stage model in
+`stages.py`, the objective: step time, or peak device memory when looking for the smallest GPU budget),
+`_warm_start` (a plan as the solver's initial point) and `_extract` (the solution as a `Plan`). The per-stage
+loads are written as the same sums `stages.evaluate_plan` takes for a fixed plan, so the optimum's objective is
+that plan's evaluated step time. Does not run or choose a solver (`solver.py` does), does not evaluate plans,
+imports pulp only inside its functions and never torch, and does not know the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .costmodel import CostModel
+from .plan import Plan
+from .stages import (
+    OPTIONS,
+    _allowed_options,
+    _fetch_fwd_aheads,
+    _make_plan,
+    _offloaded_bytes,
+    _offloaded_bytes_needed,
+    _optimizer_finish_times,
+    _option_of,
+    _reload_stages,
+)
+
+GIB = 2**30
+
+
+@dataclass
+class _Model:
+    prob: Any
+    opt: list[dict[str, Any]]  # per layer: option -> binary
+    res: list[Any]
+    yF: list[dict[int, tuple[Any, Any]]]  # per layer: ahead -> (streamed binary, resident binary)
+    yB: list[dict[int, Any]]
+    yR: list[dict[tuple[str, int], Any]]
+    T: list[Any]
+    T_tail: Any
+
+
+def _var(prob: Any, name: str, cat: str = "Binary") -> Any:
+    """A variable attached to ``prob`` (PuLP >= 3.3 API, else the classic constructor); continuous ones are >= 0."""
+    import pulp
+
+    low = 0 if cat == "Continuous" else None
+    if hasattr(prob, "add_variable"):
+        return prob.add_variable(name, lowBound=low, cat=cat)
+    return pulp.LpVariable(name, lowBound=low, cat=cat)
+
+
+def _build(
+    cm: CostModel,
+    gpu_budget: int | None,
+    host_budget: int,
+    nvme_budget: int,
+    allowed_tiers: Sequence[str],
+    lookahead: int,
+    objective: str,
+    allow_resident: bool = True,
+    fixed_slotting: bool = False,
+) -> _Model:
+    import pulp
+
+    L = cm.num_layers
+    S = 2 * L + 1
+    Bh, Bd, Bnr, Bnw = cm.h2d, cm.d2h, cm.nvme_r, cm.nvme_w
+    allowed = _allowed_options(allowed_tiers)
+    prob = pulp.LpProblem("lazytrain_step_time" if objective == "time" else "lazytrain_min_memory", pulp.LpMinimize)
+
+    # ------------------------------------------------------------------ decision variables
+    opt: list[dict[str, Any]] = []  # opt[i][o] = 1: layer i uses option o (keep / offload_* / rec_<input tier>)
+    res: list[Any] = []  # res[i] = 1: layer i's weights stay on the device all step (one upload per step)
+    yF: list[dict[int, tuple[Any, Any]]] = []  # yF[i][a] = (streamed, resident): F_i's weights issued a stages ahead
+    yB: list[dict[int, Any]] = []  # yB[i][a] = 1: B_i's weight fetch issued a stages before B_i
+    yR: list[dict[tuple[str, int], Any]] = []  # yR[i][(o, a)] = 1: B_i's reload (option o) issued a stages ahead
+    for i in range(L):
+        layer_opts = {}
+        for o in allowed:
+            if _offloaded_bytes_needed(o) and not _reload_stages(L, i, o, lookahead):
+                continue  # its backward follows too closely for this tier
+            layer_opts[o] = _var(prob, f"opt_{i}_{o}")
+        if not layer_opts:
+            raise ValueError(f"allowed_tiers={tuple(allowed_tiers)!r} leave layer {i} no legal option.")
+        opt.append(layer_opts)
+        res.append(_var(prob, f"res_{i}") if allow_resident else None)
+        yF.append(
+            {
+                a: (
+                    _var(prob, f"yFs_{i}_{a}"),
+                    _var(prob, f"yFr_{i}_{a}") if allow_resident else None,
+                )
+                for a in _fetch_fwd_aheads(i, lookahead)
+                if not fixed_slotting or a == min(i, 1) or (i == 0 and a == 1)
+            }
+        )
+        if fixed_slotting and i == 0 and 1 in yF[i]:
+            yF[i] = {1: yF[i][1]}  # prefetch depth 1: F_0's fetch in the previous tail
+        yB.append({a: _var(prob, f"yB_{i}_{a}") for a in range(lookahead + 1) if not fixed_slotting or a == 1})
+        yR.append(
+            {
+                (o, a): _var(prob, f"yR_{i}_{o}_{a}")
+                for o in layer_opts
+                if _offloaded_bytes_needed(o)
+                for a in _reload_stages(L, i, o, lookahead)
+                if not fixed_slotting or a == min(1, max(_reload_stages(L, i, o, lookahead)))
+            }
+        )
+    T = [_var(prob, f"T_{s}", "Continuous") for s in range(S)]  # T[s]: duration of stage s (seconds)
+    T_tail = _var(prob, "T_tail", "Continuous")  # end of B_0 -> start of the next F_0 (seconds)
+    model = _Model(prob, opt, res, yF, yB, yR, T, T_tail)
+
+    # ------------------------------------------------------------------ [Constraint] one choice per decision
+    for i in range(L):
+        prob += pulp.lpSum(opt[i].values()) == 1, f"one_option_{i}"
+        prob += pulp.lpSum(v for pair in yF[i].values() for v in pair if v is not None) == 1, f"one_fwd_fetch_{i}"
+        if allow_resident:
+            prob += pulp.lpSum(r for _, r in yF[i].values()) == res[i], f"resident_upload_{i}"
+        prob += pulp.lpSum(yB[i].values()) == 1 - (res[i] if allow_resident else 0), f"bwd_fetch_unless_resident_{i}"
+        for o in opt[i]:
+            if _offloaded_bytes_needed(o):
+                prob += pulp.lpSum(v for (oo, _), v in yR[i].items() if oo == o) == opt[i][o], f"one_reload_{i}_{o}"
+
+    # ------------------------------------------------------------------ per-stage loads (linear expressions)
+    comp = [[] for _ in range(S)]  # compute seconds
+    od = [[] for _ in range(S)]  # on-demand H2D bytes
+    h2d = [[] for _ in range(S)]
+    d2h = [[] for _ in range(S)]
+    nvr = [[] for _ in range(S)]
+    nvw = [[] for _ in range(S)]
+    mem = [[] for _ in range(S + 1)]  # index S: the tail
+    const_comp = [0.0] * S
+    const_h2d = [0.0] * S
+    const_d2h = [0.0] * S
+    const_mem = [0.0] * (S + 1)
+    for i, lc in enumerate(cm.layers):
+        sB = 2 * L - i
+        w, A, x = lc.weight_bytes, lc.saved_bytes, lc.input_bytes
+        const_comp[i] += lc.fwd_s
+        const_comp[sB] += lc.bwd_s
+        # forward fetch: slot memory from issue to F_i when streamed; resident weights counted below
+        for a, (ys, yr) in yF[i].items():
+            sigma = i - a
+            if sigma < 0:  # issued in the previous tail
+                for s in range(0, i + 1):
+                    mem[s].append((w, ys))
+                mem[S].append((w, ys))
+                continue
+            for y in (ys, yr):
+                if y is not None:
+                    h2d[sigma].append((w, y))
+                    if a == 0:
+                        od[i].append((w, y))
+            for s in range(sigma, i + 1):
+                mem[s].append((w, ys))
+        # resident weights: all stages and the tail
+        if allow_resident:
+            for s in range(S + 1):
+                mem[s].append((w, res[i]))
+        # backward fetch
+        for a, y in yB[i].items():
+            sb = sB - a
+            h2d[sb].append((w, y))
+            if a == 0:
+                od[sB].append((w, y))
+            for s in range(sb, sB + 1):
+                mem[s].append((w, y))
+        # saved activations
+        for o, v in opt[i].items():
+            if o == "keep":
+                for s in range(i, sB + 1):
+                    mem[s].append((A, v))
+            elif o == "rec_gpu":
+                for s in range(i, sB + 1):
+                    mem[s].append((x, v))
+            else:
+                off = A if o.startswith("offload") else x
+                mem[i].append((off, v))
+                mem[i + 1].append((off, v))
+                d2h[i + 1].append((off, v))
+                if OPTIONS[o][1] == "nvme":
+                    nvw[i + 2].append((off, v))
+            if o.startswith("rec"):
+                comp[sB].append((lc.fwd_s, v))  # recomputation
+                mem[sB].append((A, v))  # the recomputed activations during B_i
+        for (o, a), y in yR[i].items():
+            off = A if o.startswith("offload") else x
+            sr = sB - a
+            h2d[sr].append((off, y))
+            if a == 0:
+                od[sB].append((off, y))
+            if OPTIONS[o][1] == "nvme":
+                nvr[sr - 1].append((off, y))
+            for s in range(sr, sB + 1):
+                mem[s].append((off, y))
+        # working sets and gradients
+        const_mem[i] += lc.ws_fwd_bytes
+        const_mem[sB] += lc.ws_bwd_bytes + lc.grad_bytes
+        if i > 0:
+            const_mem[sB + 1] += lc.grad_bytes
+            const_d2h[sB + 1] += lc.grad_bytes
+        else:
+            const_mem[S] += lc.grad_bytes
+    const_comp[L] += cm.head_s
+    const_mem[L] += cm.head_ws_bytes + cm.head_grad_bytes
+    const_mem[L + 1] += cm.head_grad_bytes
+    const_d2h[L + 1] += cm.head_grad_bytes
+    if cm.head_bytes and L >= 1:
+        const_h2d[L - 1] += cm.head_bytes
+    const_mem[S] += cm.embed_grad_bytes
+    fixed = cm.fixed_device_bytes
+
+    def expr(terms: list[tuple[float, Any]], scale: float = 1.0, const: float = 0.0):
+        # Note: a variable may appear in several terms (e.g. a recomputed layer's input and its recomputed
+        # activations at B_i); LpAffineExpression keeps only the last coefficient of a repeated key, so sum first.
+        coef: dict[Any, float] = {}
+        for c, v in terms:
+            if v is not None:
+                coef[v] = coef.get(v, 0.0) + c * scale
+        return pulp.LpAffineExpression(list(coef.items()), constant=const * scale)
+
+    # ------------------------------------------------------------------ [Constraint] lanes overlap within a stage
+    for s in range(S):
+        prob += T[s] >= expr(od[s], 1 / Bh) + expr(comp[s], 1.0, const_comp[s]), f"compute_after_ondemand_{s}"
+        prob += T[s] >= expr(h2d[s], 1 / Bh, const_h2d[s]), f"h2d_lane_{s}"
+        prob += T[s] >= expr(d2h[s], 1 / Bd, const_d2h[s]), f"d2h_lane_{s}"
+        if nvr[s] or nvw[s]:
+            prob += T[s] >= expr(nvr[s], 1 / Bnr) + expr(nvw[s], 1 / Bnw), f"nvme_lane_{s}"
+
+    # ------------------------------------------------------------------ [Constraint] tail: optimizer and uploads
+    c_emb, c, c_all = _optimizer_finish_times(cm)
+    emb_up = c_emb + cm.embed_bytes / Bh
+    prob += T_tail >= emb_up, "tail_embedding_upload"
+    if L:
+        ys, yr = yF[0][1] if 1 in yF[0] else (None, None)
+        pre0 = [(1.0, ys), (1.0, yr)]
+        prob += T_tail >= expr(pre0, max(emb_up, c[0]) + cm.layers[0].weight_bytes / Bh), "tail_prestep_fetch_0"
+    # [Constraint] a fetch for the next forward waits for its layer's update (optimizer overlaps the next forward)
+    for i in range(L):
+        for a, (ys, yr) in yF[i].items():
+            sigma = i - a
+            if sigma < 0:
+                continue
+            prob += (
+                T_tail + pulp.lpSum(T[:sigma]) >= expr([(1.0, ys), (1.0, yr)], c[i]),
+                f"update_before_fetch_{i}_{a}",
+            )
+    if cm.head_bytes and L >= 1:
+        prob += T_tail + pulp.lpSum(T[: L - 1]) >= c_all, "update_before_head_upload"
+
+    # ------------------------------------------------------------------ [Constraint] memory
+    # Memory rows in GiB: byte-sized coefficients (1e9-1e11) next to 0/1 variables hurt the solvers' tolerances.
+    mem_exprs = [expr(mem[s], 1 / GIB, fixed + const_mem[s]) for s in range(S + 1)]
+    if gpu_budget is not None:
+        for s in range(S + 1):
+            prob += mem_exprs[s] <= gpu_budget / GIB, f"gpu_memory_{s}"
+    pinned_terms, nvme_terms = [], []
+    for i in range(L):
+        for o, v in opt[i].items():
+            tier = OPTIONS[o][1]
+            if tier == "cpu":
+                pinned_terms.append((_offloaded_bytes(cm, i, o), v))
+            elif tier == "nvme":
+                nvme_terms.append((_offloaded_bytes(cm, i, o), v))
+    if pinned_terms:
+        prob += expr(pinned_terms, 1 / GIB) <= host_budget / GIB, "pinned_host_memory"
+    if nvme_terms:
+        prob += expr(nvme_terms, 1 / GIB) <= nvme_budget / GIB, "nvme_capacity"
+
+    # ------------------------------------------------------------------ objective
+    if objective == "time":
+        # Objective: steady-state step time = sum of stage times + exposed tail (seconds).
+        prob += pulp.lpSum(T) + T_tail, "step_time"
+    else:
+        # Objective: peak device bytes (used to find the smallest GPU budget that admits a plan).
+        peak = _var(prob, "peak_gpu_gib", "Continuous")
+        for s in range(S + 1):
+            prob += peak >= mem_exprs[s], f"peak_{s}"
+        prob += peak, "peak_gpu_gib"
+    return model
+
+
+def _value(v: Any) -> float:
+    if v is None:
+        return 0.0
+    x = v.varValue
+    return 0.0 if x is None else float(x)
+
+
+def _extract(model: _Model, cm: CostModel, source: str) -> Plan:
+    L = cm.num_layers
+    options, resident, ff, fb, rl = [], [], [], [], []
+    for i in range(L):
+        o = max(model.opt[i], key=lambda k: _value(model.opt[i][k]))
+        options.append(o)
+        resident.append(_value(model.res[i]) > 0.5)
+        ff.append(max(model.yF[i], key=lambda a: _value(model.yF[i][a][0]) + _value(model.yF[i][a][1])))
+        fb.append(max(model.yB[i], key=lambda a: _value(model.yB[i][a])) if not resident[-1] else 1)
+        cand = {a: _value(v) for (oo, a), v in model.yR[i].items() if oo == o}
+        rl.append(max(cand, key=cand.get) if cand else 1)
+    return _make_plan(cm, options, resident, ff, fb, rl, source=source)
+
+
+def _warm_start(model: _Model, plan: Plan, lookahead: int) -> bool:
+    """Set initial values from ``plan`` when it is a point of this model; returns whether it was."""
+    L = len(model.opt)
+    values: list[tuple[Any, float]] = []
+    for i in range(L):
+        lp = plan.layers[i]
+        o = _option_of(lp)
+        if o not in model.opt[i]:
+            return False
+        for k, v in model.opt[i].items():
+            values.append((v, 1.0 if k == o else 0.0))
+        if model.res[i] is not None:
+            values.append((model.res[i], 1.0 if lp.resident else 0.0))
+        elif lp.resident:
+            return False
+        aF = lp.fetch_fwd_ahead if i > 0 else min(lp.fetch_fwd_ahead, 1)
+        if aF not in model.yF[i]:
+            return False
+        for a, (ys, yr) in model.yF[i].items():
+            values.append((ys, 1.0 if a == aF and not lp.resident else 0.0))
+            if yr is not None:
+                values.append((yr, 1.0 if a == aF and lp.resident else 0.0))
+        if not lp.resident and lp.fetch_bwd_ahead not in model.yB[i]:
+            return False
+        for a, y in model.yB[i].items():
+            values.append((y, 1.0 if (a == lp.fetch_bwd_ahead and not lp.resident) else 0.0))
+        for (oo, a), y in model.yR[i].items():
+            values.append((y, 1.0 if (oo == o and a == lp.reload_ahead) else 0.0))
+        if _offloaded_bytes_needed(o) and (o, lp.reload_ahead) not in model.yR[i]:
+            return False
+    for v, x in values:
+        v.setInitialValue(x)
+    return True

@@ -1,0 +1,124 @@
+"""Plans made without a solver: the documented fallback `heuristic_plan` and the least-memory `min_memory_plan`.
+
+Owns: the fixed rules that build a plan from the stage model alone. The heuristic plan is the MILP's warm start
+and the plan `solve` uses (with a warning) when the solver returns none; the minimum-memory plan is the
+heuristic's last resort and the fast path of `milp_feasible`. Every candidate is judged by `stages.evaluate_plan`,
+never by a formula of its own. Imports neither pulp nor torch, and knows no solver and not the runtime.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .costmodel import CostModel
+from .plan import Plan
+from .stages import (
+    DEFAULT_LOOKAHEAD,
+    Evaluation,
+    _allowed_options,
+    _fits,
+    _make_plan,
+    _offloaded_bytes_needed,
+    _reload_stages,
+    evaluate_plan,
+)
+
+
+def _legal_reload(L: int, i: int, option: str, lookahead: int) -> list[int]:
+    if _offloaded_bytes_needed(option):
+        return _reload_stages(L, i, option, lookahead)
+    return [1]
+
+
+def min_memory_plan(cm: CostModel, allowed_tiers: Sequence[str] = ("gpu", "cpu")) -> Plan:
+    """A plan that keeps little on the device: every layer recomputed from an input parked off the device when a
+    host tier is allowed, every transfer on demand, nothing resident."""
+    L = cm.num_layers
+    allowed = _allowed_options(allowed_tiers)
+    options = []
+    for i in range(L):
+        choice = next((o for o in ("rec_cpu", "rec_nvme") if o in allowed and _reload_stages(L, i, o, 0)), None)
+        options.append(choice or ("rec_gpu" if "rec_gpu" in allowed else allowed[0]))
+    zeros = [0] * L
+    return _make_plan(cm, options, fetch_fwd=zeros, fetch_bwd=zeros, reload=zeros, source="heuristic")
+
+
+def heuristic_plan(
+    cm: CostModel,
+    gpu_budget: int,
+    host_budget: int,
+    nvme_budget: int = 0,
+    allowed_tiers: Sequence[str] = ("gpu", "cpu"),
+) -> Plan | None:
+    """The documented fallback when no solver result exists (also the MILP's warm start).
+
+    Start from every layer kept on the device with prefetch depth 1. While it does not fit, convert the first ``n``
+    layers (their activations live longest) to one saving option: ``offload_cpu``, ``rec_cpu`` or ``rec_gpu``
+    (smallest ``n`` that fits, by bisection), and take the fastest of those. Then make layers resident from the
+    last one down (their backward fetch is saved) while the plan still fits and gets faster. ``None`` when even the
+    minimum-memory plan does not fit.
+    """
+    L = cm.num_layers
+    allowed = _allowed_options(allowed_tiers)
+
+    ff = [1] * L
+    best: tuple[float, Plan] | None = None
+    base = "keep" if "keep" in allowed else None
+    candidates = [o for o in ("offload_cpu", "rec_cpu", "rec_gpu", "offload_nvme", "rec_nvme") if o in allowed]
+    for saver in [None, *candidates]:
+        if saver is None:
+            if base is None:
+                continue
+            opts = [base] * L
+            plan = _make_plan(cm, opts, fetch_fwd=ff, source="heuristic")
+            ev = evaluate_plan(plan, cm)
+            if _fits(ev, gpu_budget, host_budget, nvme_budget):
+                best = (ev.step_time_s, plan)
+                break
+            continue
+
+        def build(n: int, saver: str = saver) -> Plan:
+            opts = []
+            for i in range(L):
+                o = saver if i < n else (base or saver)
+                if _offloaded_bytes_needed(o) and not _reload_stages(L, i, o, 2 * L):
+                    o = base or ("rec_gpu" if "rec_gpu" in allowed else o)
+                opts.append(o)
+            reload = [max(_legal_reload(L, i, opts[i], DEFAULT_LOOKAHEAD) or [0]) for i in range(L)]
+            return _make_plan(cm, opts, fetch_fwd=ff, reload=[min(1, r) for r in reload], source="heuristic")
+
+        def ok(n: int) -> tuple[bool, Plan, Evaluation]:
+            p = build(n)
+            ev = evaluate_plan(p, cm)
+            return _fits(ev, gpu_budget, host_budget, nvme_budget), p, ev
+
+        good, p, ev = ok(L)
+        if not good:
+            continue
+        lo, hi = 0, L  # smallest n that fits is in (lo, hi]
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if ok(mid)[0]:
+                hi = mid
+            else:
+                lo = mid
+        _, p, ev = ok(hi)
+        if best is None or ev.step_time_s < best[0]:
+            best = (ev.step_time_s, p)
+    if best is None:
+        p = min_memory_plan(cm, allowed_tiers)
+        ev = evaluate_plan(p, cm)
+        if not _fits(ev, gpu_budget, host_budget, nvme_budget):
+            return None
+        best = (ev.step_time_s, p)
+    step, plan = best
+    # Residency from the last layer down while it fits and helps.
+    for i in reversed(range(L)):
+        plan.layers[i].resident = True
+        ev = evaluate_plan(plan, cm)
+        if _fits(ev, gpu_budget, host_budget, nvme_budget) and ev.step_time_s < step - 1e-12:
+            step = ev.step_time_s
+        else:
+            plan.layers[i].resident = False
+            break
+    return plan

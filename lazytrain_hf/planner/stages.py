@@ -1,0 +1,335 @@
+"""The stage model of one training step, and the exact evaluation of a plan under it.
+
+Owns: the per-layer options (`OPTIONS`: activation policy x where its saved bytes live), the legal transfer slots
+of each option, `evaluate_plan` (step time, memory at every stage and predictions of a fixed plan), the budget
+test `_fits`, and `_make_plan` (options and slots -> `Plan`). The MILP (`formulation.py`), the heuristics and the
+brute-force tests all read a plan through this model; the simulator (`simulate.py`) is the independent referee and
+does not use it. Pure arithmetic on a `CostModel`: imports neither torch nor pulp, knows no solver and not the
+runtime.
+
+A step is the stages ``s = 0 .. 2L``: ``F_i = i``, ``H = L``, ``B_i = 2L - i``, then a tail ``tail`` between the
+end of ``B_0`` and the start of the next step's ``F_0``. Within a stage the lanes overlap:
+
+    T_s >= ondemand_h2d_s / BW_h2d + compute_s      (a transfer issued in the stage that needs it is waited for)
+    T_s >= h2d_s / BW_h2d,   T_s >= d2h_s / BW_d2h,   T_s >= nvme_read_s / BW_nvme_r + nvme_write_s / BW_nvme_w
+
+- ``compute``: ``f_i`` at ``F_i``, head fwd+bwd at ``H``, ``k_i`` (+ ``f_i`` when recomputed) at ``B_i``;
+- ``h2d`` issued at ``s``: weight fetch of ``F_i`` at ``i - aF_i`` (``aF_0 = 1``: issued in the previous tail),
+  of ``B_i`` at ``2L - i - aB_i``, activation reloads at ``2L - i - aR_i``, the lm_head upload at ``F_{L-1}``;
+- ``d2h``: the offload of ``F_i``'s saved tensors at ``F_{i+1}``, the gradients of ``B_i`` at the next stage;
+- NVMe: the write one stage after its D2H, the read one stage before its H2D reload.
+
+Memory at every stage counts what is allocated from a transfer's issue stage to the end of its last use. The tail
+holds the D2H of the last gradients, the CPU optimizer in layer order (``c_i`` = time from the end of ``B_0`` until
+layer ``i`` is updated) and the embedding upload; with the optimizer overlapping the next forward, a fetch issued at
+stage ``sigma`` must wait for its update: ``T_tail + sum_{j < sigma} T_j >= c_i``.
+
+Minimising ``sum_s T_s + T_tail`` gives the steady-state step time (`evaluate_plan` computes the same number for a
+fixed plan: every ``T_s`` at its lane bound, ``T_tail`` at the largest release it must cover).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from .costmodel import CostModel
+from .plan import INPUT_TIERS, LayerPlan, Plan, PlanError
+
+DEFAULT_LOOKAHEAD = 2  # D: a transfer is issued at most D stages before the stage that needs it
+# Options per layer: (policy, input tier of what the layer leaves behind, what is reloaded).
+OPTIONS: dict[str, tuple[str, str]] = {
+    "keep": ("keep", "gpu"),
+    "offload_cpu": ("offload_cpu", "cpu"),
+    "offload_nvme": ("offload_nvme", "nvme"),
+    "rec_gpu": ("recompute", "gpu"),
+    "rec_cpu": ("recompute", "cpu"),
+    "rec_nvme": ("recompute", "nvme"),
+}
+
+
+# ------------------------------------------------------------------------------------------------ helpers
+def _option_of(lp: LayerPlan) -> str:
+    if lp.policy == "recompute":
+        return {"gpu": "rec_gpu", "cpu": "rec_cpu", "nvme": "rec_nvme"}[lp.input_tier]
+    return lp.policy
+
+
+def _offloaded_bytes(cm: CostModel, i: int, option: str) -> int:
+    """Bytes of layer i that leave the device after its forward and come back before its backward."""
+    lc = cm.layers[i]
+    if option in ("offload_cpu", "offload_nvme"):
+        return lc.saved_bytes
+    if option in ("rec_cpu", "rec_nvme"):
+        return lc.input_bytes
+    return 0
+
+
+def _offloaded_bytes_needed(option: str) -> bool:
+    return OPTIONS[option][1] != "gpu"
+
+
+def _reload_stages(L: int, i: int, option: str, lookahead: int) -> list[int]:
+    """Allowed ahead-values ``a`` of the reload for ``B_i``: after the offload (cpu: D2H at F_{i+1}; nvme: write at
+    F_{i+2}, read one stage before the H2D)."""
+    sB = 2 * L - i
+    tier = OPTIONS[option][1]
+    earliest = i + 2 if tier == "cpu" else i + 4
+    return [a for a in range(lookahead + 1) if sB - a >= earliest]
+
+
+def _fetch_fwd_aheads(i: int, lookahead: int) -> list[int]:
+    # F_0's fetch may be issued in the previous step's tail (ahead 1); later layers only inside the step.
+    if i == 0:
+        return [0, 1] if lookahead >= 1 else [0]
+    return list(range(min(lookahead, i) + 1))
+
+
+# ------------------------------------------------------------------------------------------------ evaluation
+@dataclass
+class Evaluation:
+    """Stage-model evaluation of a fixed plan (what the MILP's objective and constraints say about it)."""
+
+    step_time_s: float
+    stage_times: list[float]
+    tail_s: float
+    stage_memory: list[int]  # per stage, then the tail
+    peak_gpu_bytes: int
+    pinned_host_bytes: int
+    nvme_bytes: int
+    peak_host_bytes: int
+    tflops: float
+    tokens_per_s: float
+
+    def predictions(self) -> dict[str, Any]:
+        return {
+            "step_time_s": self.step_time_s,
+            "tflops": self.tflops,
+            "tokens_per_s": self.tokens_per_s,
+            "peak_gpu_bytes": self.peak_gpu_bytes,
+            "peak_host_bytes": self.peak_host_bytes,
+            "pinned_host_bytes": self.pinned_host_bytes,
+            "nvme_bytes": self.nvme_bytes,
+        }
+
+
+def _optimizer_finish_times(cm: CostModel) -> tuple[float, list[float], float]:
+    """When the CPU optimizer finishes, measured from the end of backward: the embedding (after the last gradients
+    came down), each layer in order, then the head. Shared by `evaluate_plan` and the MILP's tail constraints."""
+    L = cm.num_layers
+    t_d2h = ((cm.layers[0].grad_bytes if L else 0) + cm.embed_grad_bytes) / cm.d2h
+    c_emb = t_d2h + cm.embed_optimizer_s
+    c, acc = [], c_emb
+    for lc in cm.layers:
+        acc += lc.optimizer_s
+        c.append(acc)
+    return c_emb, c, acc + cm.head_optimizer_s
+
+
+def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
+    """Step time, memory per stage and predictions of ``plan`` under the stage model (see module docstring)."""
+    L = cm.num_layers
+    plan.validate(L)
+    S = 2 * L + 1
+    Bh, Bd, Bnr, Bnw = cm.h2d, cm.d2h, cm.nvme_r, cm.nvme_w
+    comp = [0.0] * S
+    od = [0.0] * S  # on-demand H2D bytes (issued in the stage that needs them)
+    h2d = [0.0] * S
+    d2h = [0.0] * S
+    nvr = [0.0] * S
+    nvw = [0.0] * S
+    mem_diff = [0] * (S + 1)
+    mem_tail = 0
+    pinned = 0
+    nvme = 0
+
+    def alive(lo: int, hi: int, nbytes: int) -> None:  # allocated at stages lo..hi inclusive
+        mem_diff[lo] += nbytes
+        mem_diff[hi + 1] -= nbytes
+
+    K = plan.checkpoint_every
+    release: list[tuple[int, float]] = []  # (issue stage, layer) of forward fetches that wait for the optimizer
+    prestep: list[int] = []
+    for lp in plan.layers:
+        i = lp.index
+        lc = cm.layers[i]
+        sB = 2 * L - i
+        option = _option_of(lp)
+        # ---- forward weights
+        sigma = i - lp.fetch_fwd_ahead
+        if sigma < 0:
+            prestep.append(i)
+            if not lp.resident:
+                alive(0, i, lc.weight_bytes)
+                mem_tail += lc.weight_bytes
+        else:
+            h2d[sigma] += lc.weight_bytes
+            if sigma == i:
+                od[i] += lc.weight_bytes
+            if not lp.resident:
+                alive(sigma, i, lc.weight_bytes)
+            release.append((sigma, i))
+        comp[i] += lc.fwd_s
+        # ---- backward weights
+        if lp.resident:
+            alive(0, S - 1, lc.weight_bytes)
+            mem_tail += lc.weight_bytes
+        else:
+            sb = max(0, sB - lp.fetch_bwd_ahead)
+            h2d[sb] += lc.weight_bytes
+            if sb == sB:
+                od[sB] += lc.weight_bytes
+            alive(sb, sB, lc.weight_bytes)
+        comp[sB] += lc.bwd_s
+        # ---- saved activations
+        off = _offloaded_bytes(cm, i, option)
+        if K > 1:
+            pass  # block checkpointing, handled below
+        elif option == "keep":
+            alive(i, sB, lc.saved_bytes)
+        elif option == "rec_gpu":
+            alive(i, sB, lc.input_bytes)
+        else:
+            alive(i, i + 1, lc.saved_bytes if option.startswith("offload") else lc.input_bytes)
+            d2h[i + 1] += off
+            tier = OPTIONS[option][1]
+            ok = _reload_stages(L, i, option, 2 * L)
+            if not ok:
+                raise PlanError(f"layer {i}: {option} is impossible; its backward follows its forward too closely.")
+            a = min(lp.reload_ahead, max(ok))  # clamp to the ordering: reload after offload
+            sr = sB - a
+            h2d[sr] += off
+            if sr == sB:
+                od[sB] += off
+            alive(sr, sB, off)
+            if tier == "cpu":
+                pinned += off
+            else:
+                nvme += off
+                nvw[i + 2] += off
+                nvr[sr - 1] += off
+        if K == 1 and option.startswith("rec"):
+            comp[sB] += lc.fwd_s  # recomputation, and its activations live during B_i
+            alive(sB, sB, lc.saved_bytes)
+        # ---- working sets and gradients
+        alive(i, i, lc.ws_fwd_bytes)
+        alive(sB, sB, lc.ws_bwd_bytes)
+        if i > 0:
+            alive(sB, sB + 1, lc.grad_bytes)
+            d2h[sB + 1] += lc.grad_bytes
+        else:
+            alive(sB, sB, lc.grad_bytes)
+            mem_tail += lc.grad_bytes
+    if K > 1:
+        for j in range(0, L, K):
+            block = list(range(j, min(j + K, L)))
+            last = block[-1]
+            s_rec = 2 * L - last
+            alive(j, 2 * L - j, cm.layers[j].input_bytes)  # the block checkpoint
+            comp[s_rec] += sum(cm.layers[k].fwd_s for k in block)
+            h2d[s_rec] += sum(cm.layers[k].weight_bytes for k in block)
+            od[s_rec] += cm.layers[j].weight_bytes  # the first recompute fetch has nothing to hide behind
+            alive(s_rec, s_rec, 2 * max(cm.layers[k].weight_bytes for k in block))  # recompute double buffer
+            for k in block:
+                alive(s_rec, 2 * L - k, cm.layers[k].saved_bytes)
+    # ---- head stage
+    comp[L] += cm.head_s
+    alive(L, L, cm.head_ws_bytes)
+    alive(L, L + 1, cm.head_grad_bytes)
+    d2h[L + 1] += cm.head_grad_bytes
+    if cm.head_bytes and L >= 1:
+        h2d[L - 1] += cm.head_bytes
+    fixed = cm.fixed_device_bytes
+    stage_times = [max(od[s] / Bh + comp[s], h2d[s] / Bh, d2h[s] / Bd, nvr[s] / Bnr + nvw[s] / Bnw) for s in range(S)]
+    # ---- tail: last gradients down, optimizer in layer order, embedding (+ pre-step fetches) up
+    c_emb, c, c_all = _optimizer_finish_times(cm)
+    prefix = [0.0]
+    for t in stage_times:
+        prefix.append(prefix[-1] + t)
+    if plan.optimizer_overlap:
+        e = c_emb + cm.embed_bytes / Bh
+        for i in sorted(prestep):
+            e = max(e, c[i]) + cm.layers[i].weight_bytes / Bh
+        tail = e
+        for sigma, i in release:
+            tail = max(tail, c[i] - prefix[sigma])
+        if cm.head_bytes and L >= 1:
+            tail = max(tail, c_all - prefix[L - 1])
+    else:
+        e = c_all + cm.embed_bytes / Bh
+        for i in sorted(prestep):
+            e += cm.layers[i].weight_bytes / Bh
+        tail = e
+    mem = []
+    run = 0
+    for s in range(S):
+        run += mem_diff[s]
+        mem.append(fixed + run)
+    mem.append(fixed + mem_tail + cm.embed_grad_bytes)
+    step = prefix[-1] + tail
+    peak_gpu = max(mem)
+    return Evaluation(
+        step_time_s=step,
+        stage_times=stage_times,
+        tail_s=tail,
+        stage_memory=mem,
+        peak_gpu_bytes=int(peak_gpu),
+        pinned_host_bytes=int(pinned),
+        nvme_bytes=int(nvme),
+        peak_host_bytes=int(cm.host_state_bytes + pinned),
+        tflops=cm.model_flops / step / 1e12,
+        tokens_per_s=cm.tokens / step,
+    )
+
+
+# ------------------------------------------------------------------------------------------------ plans
+def _make_plan(
+    cm: CostModel,
+    options: Sequence[str],
+    resident: Sequence[bool] | None = None,
+    fetch_fwd: Sequence[int] | None = None,
+    fetch_bwd: Sequence[int] | None = None,
+    reload: Sequence[int] | None = None,
+    **kwargs: Any,
+) -> Plan:
+    L = cm.num_layers
+    layers = []
+    for i in range(L):
+        policy, tier = OPTIONS[options[i]]
+        layers.append(
+            LayerPlan(
+                index=i,
+                kind=cm.layers[i].kind,
+                policy=policy,
+                input_tier=tier if policy == "recompute" else "gpu",
+                resident=bool(resident[i]) if resident is not None else False,
+                fetch_fwd_ahead=fetch_fwd[i] if fetch_fwd is not None else 1,
+                fetch_bwd_ahead=fetch_bwd[i] if fetch_bwd is not None else 1,
+                reload_ahead=reload[i] if reload is not None else 1,
+            )
+        )
+    kwargs.setdefault("loss_chunk_tokens", cm.loss_chunk_tokens)
+    return Plan(
+        layers=layers,
+        micro_batch_size=cm.micro_batch_size,
+        seq_len=cm.seq_len,
+        hardware=cm.hardware.name,
+        model=cm.model_name,
+        **kwargs,
+    )
+
+
+def _allowed_options(allowed_tiers: Sequence[str]) -> list[str]:
+    bad = [t for t in allowed_tiers if t not in INPUT_TIERS]
+    if bad:
+        raise ValueError(
+            f"allowed_tiers={tuple(allowed_tiers)!r}: unknown tier {bad[0]!r}; allowed are {INPUT_TIERS}."
+        )
+    if not allowed_tiers:
+        raise ValueError("allowed_tiers is empty; pass at least one of ('gpu', 'cpu', 'nvme').")
+    return [o for o, (_, tier) in OPTIONS.items() if tier in allowed_tiers]
+
+
+def _fits(ev: Evaluation, gpu_budget: int, host_budget: int, nvme_budget: int) -> bool:
+    return ev.peak_gpu_bytes <= gpu_budget and ev.pinned_host_bytes <= host_budget and ev.nvme_bytes <= nvme_budget
