@@ -63,7 +63,7 @@ def test_nvme_dir_missing_is_named(tmp_path):
 def test_nvme_disk_full_during_a_step(tmp_path, monkeypatch):
     """ENOSPC while spilling: a clear error naming the directory and bytes, the step never applied (weights and
     optimizer state as after the last good step), spill files removed."""
-    import lazytrain_hf.activations as act
+    import lazytrain_hf.activations.nvme as act
 
     nvme = tmp_path / "nvme"
     nvme.mkdir()
@@ -141,7 +141,7 @@ def test_unsupported_model_type_refused_at_construction(tmp_path):
 
 def test_nvme_dir_not_writable_is_named(tmp_path, monkeypatch):
     """Simulated: tests run as root, which writes through permission bits, so `os.access` is made to say no."""
-    import lazytrain_hf.activations as act
+    import lazytrain_hf.activations.nvme as act
 
     nvme = tmp_path / "ro"
     nvme.mkdir()
