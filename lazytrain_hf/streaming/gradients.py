@@ -1,0 +1,163 @@
+"""Gradient sink of the streaming executor: a completed layer's gradients reduced, normed, offloaded and handed on.
+
+Owns what happens to a layer's device gradients once its backward is complete (`_complete`): the data-parallel
+``grad_reducer``, the squared norm, the copy into the host fp32 accumulators (`TransferEngine.offload_grads`), the
+per-layer callbacks, and the public gradient API (`grads`, `layer_grads`, `zero_grad`, `grad_sq_norms`,
+`global_grad_norm`, `synchronize`). State: ``sq_norms``, ``_callbacks``, ``_device_grad_bytes``. It does not decide
+when a layer is complete (`completion.py`).
+
+Note: [Squared norms of accumulated gradients]
+    ``sq_norms[i]`` is the squared L2 norm of layer ``i``'s *accumulated* host gradient, exactly. For the first
+    micro-batch since ``zero_grad`` the accumulator equals the device gradient, so the norm is taken on the device
+    (fp32) before the copy; for later micro-batches (where ``|a + g|^2 != |a|^2 + |g|^2``) it is taken on the host
+    right after the addition (on the worker thread on CUDA), so clipping never needs an extra pass at the end.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+
+import torch
+from torch.utils.hooks import RemovableHandle
+
+from .binder import _LayerState
+
+
+class GradientSink:
+    """`StreamHandle`'s gradient handling (see the module docstring)."""
+
+    def _complete(self, i: int) -> None:
+        """Move the layer's gradients to the host, take their norm, free them, release the slot."""
+        st = self._all[i]
+        st.completed = True
+        self._account()  # the layer's device gradients are all there now: the backward high-water mark
+        ls = st.store
+        if ls is not None and ls.grad is not None:
+            fresh = not ls.has_grad
+            pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+            if self.grad_reducer is not None:
+                # every rank must reduce the same tensors in the same order: a parameter without a gradient here
+                # (e.g. an expert no local token reached) takes part with zeros
+                for e in ls.trainable_entries:
+                    if e.param.grad is None:
+                        e.param.grad = torch.zeros_like(e.param)
+                self.grad_reducer(i, [e.param.grad for e in ls.trainable_entries])
+            for e in ls.trainable_entries:
+                g = e.param.grad
+                if g is None:
+                    if fresh:  # accumulators are not zeroed by zero_grad(); see StreamHandle.zero_grad
+                        ls.grad_views[e.name].zero_()
+                    continue
+                pairs.append((g, ls.grad_views[e.name]))
+            if fresh:
+                # Note: [Squared norms of accumulated gradients]
+                sq = torch.zeros((), dtype=torch.float32, device=self.device)
+                for g, _ in pairs:
+                    sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32).square()
+                self.sq_norms[i] = sq
+            ls.has_grad = True
+            after = self._after_offload(i, host_norm=not fresh)
+            self.engine.offload_grads(pairs, accumulate=not fresh, after=after)
+            self._drop_device_grads(st)
+        elif self._callbacks:
+            self._run_callbacks(i)
+        self._release(i)
+        if i == self.head_key and self._tied:
+            self._release(self.embed_key)  # the lm_head's use of the tied weight is over too
+
+    def _after_offload(self, i: int, host_norm: bool) -> Callable[[], None] | None:
+        if not host_norm and not self._callbacks:
+            return None
+
+        def after() -> None:
+            if host_norm:
+                flat = self.store.layers[i].grad
+                self.sq_norms[i] = torch.dot(flat, flat)
+            self._run_callbacks(i)
+
+        return after
+
+    def _run_callbacks(self, i: int) -> None:
+        if not self._callbacks:
+            return
+        grads = self.layer_grads(i)
+        for fn in list(self._callbacks.values()):
+            fn(i, grads)
+
+    def _drop_device_grads(self, st: _LayerState) -> None:
+        if st.store is None:
+            return
+        for e in st.store.trainable_entries:
+            e.param.grad = None
+        self._device_grad_bytes -= st.device_grad_bytes
+        st.device_grad_bytes = 0
+
+    def synchronize(self) -> None:
+        """Wait until every gradient copy and host accumulation issued so far has finished."""
+        self.engine.synchronize()
+
+    def on_layer_grads_ready(self, fn: Callable[[int, dict[str, torch.Tensor]], None]) -> RemovableHandle:
+        """Call ``fn(layer_index, grads)`` each time a layer's gradients of a backward are in place.
+
+        ``grads`` maps the model's parameter names to the layer's accumulated host fp32 gradients (views of the
+        store) and, for small trainable parameters kept resident (adapters), to their ``.grad``. On CPU ``fn`` runs
+        inline during backward; on CUDA on the executor's worker thread once the copy landed (in completion
+        order). Use it to all-reduce per layer or to start per-layer optimizer work.
+        """
+        if not callable(fn):
+            raise TypeError(f"on_layer_grads_ready(fn={fn!r}): fn must be callable as fn(layer_index, grads).")
+        h = RemovableHandle(self._callbacks)
+        self._callbacks[h.id] = fn
+        return h
+
+    def layer_grads(self, i: int) -> dict[str, torch.Tensor]:
+        """Gradients of decoder layer ``i`` accumulated since `zero_grad`, keyed by parameter name."""
+        st = self._all[i]
+        out: dict[str, torch.Tensor] = {}
+        if st.store is not None and st.store.has_grad:
+            out.update(st.store.grad_views)
+        for pid, p in st.trainable.items():
+            if pid not in self._streamed_ids and p.grad is not None:
+                out[self._names[pid]] = p.grad
+        return out
+
+    def grads(self) -> dict[str, torch.Tensor]:
+        """Gradients accumulated since `zero_grad`, keyed by the model's parameter names: host fp32 accumulators for
+        streamed parameters, ordinary ``.grad`` (on the device) for resident ones. Parameters that received no
+        gradient are absent (as ``.grad is None``)."""
+        self.synchronize()
+        out: dict[str, torch.Tensor] = {}
+        for st in self._all.values():
+            if st.store is not None and st.store.has_grad:
+                out.update(st.store.grad_views)
+        for n, p, _ in self._resident:
+            if p.grad is not None:
+                out[n] = p.grad
+        return out
+
+    def zero_grad(self) -> None:
+        """Forget accumulated gradients. Host accumulators are not cleared (a pass over all of host memory); the
+        next layer completion overwrites them instead of adding, see `StreamHandle.grads`."""
+        self.synchronize()
+        for ls in self.store.layers.values():
+            ls.has_grad = False
+        self.sq_norms.clear()
+        for _, p, _ in self._resident:
+            p.grad = None
+
+    def grad_sq_norms(self) -> dict[int | str, float]:
+        """Squared L2 norms of the accumulated gradients: ``{layer_index: float}`` for every layer with host
+        gradients, plus ``"resident"`` for all resident parameters (embeddings, final norm, lm_head, adapters)."""
+        self.synchronize()
+        out: dict[int | str, float] = {i: float(v) for i, v in sorted(self.sq_norms.items())}
+        res = torch.zeros((), dtype=torch.float32, device=self.device)
+        for _, p, _ in self._resident:
+            if p.grad is not None:
+                res = res + torch.linalg.vector_norm(p.grad, dtype=torch.float32).to(res.device).square()
+        out["resident"] = float(res)
+        return out
+
+    def global_grad_norm(self) -> float:
+        """L2 norm of every gradient accumulated since `zero_grad` (streamed and resident)."""
+        return math.sqrt(sum(self.grad_sq_norms().values()))
