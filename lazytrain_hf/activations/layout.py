@@ -1,7 +1,8 @@
 """Saved-tensor layouts: how an activation is copied out compactly and restored with the same strides.
 
 Owns `Layout`, `ParamRef` (a saved weight stored as the executor's reference) and the small identity helpers of
-saved tensors (storage keys, fingerprints, the tensors inside a layer call's arguments). Pure functions of tensors: no tiers, no streams, no plan.
+saved tensors (storage keys, fingerprints, the tensors inside a layer call's arguments). Pure functions of tensors:
+no tiers, no streams, no plan.
 """
 
 from __future__ import annotations

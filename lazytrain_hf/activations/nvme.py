@@ -331,11 +331,7 @@ class NvmeTier(Tier):
         )
 
     # ------------------------------------------------------------------ reload: read back
-    def prefetch(self, entry: Entry) -> None:
-        new = self._new_reload(entry)
-        if new is None:
-            return
-        storage, narrow = new
+    def _issue_reload(self, entry: Entry, storage: torch.Tensor, narrow: torch.Tensor) -> None:
         ctx = self.ctx
         alloc_event = ctx.lanes.compute_event() if ctx.is_async else None
         entry.reload_future = self.spill.reader.submit(self._read, entry, narrow, storage, alloc_event)

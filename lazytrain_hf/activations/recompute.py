@@ -317,7 +317,11 @@ class Recomputer:
         try:
             for n, frame in enumerate(frames):
                 nxt = frames[n + 1].layer if n + 1 < len(frames) else None
-                bind = self.engine._weights.recompute_weights(frame.layer, nxt) if self.engine._weights else contextlib.nullcontext()
+                bind = (
+                    self.engine._weights.recompute_weights(frame.layer, nxt)
+                    if self.engine._weights
+                    else contextlib.nullcontext()
+                )
                 with bind:
                     out, y = self._run_forward(frame, x, count and not frame.released, weight_refs=True)
                 if not frame.released:

@@ -118,6 +118,12 @@ class Tier:
         raise NotImplementedError
 
     def prefetch(self, entry: Entry) -> None:
+        new = self._new_reload(entry)
+        if new is not None:
+            self._issue_reload(entry, *new)
+
+    def _issue_reload(self, entry: Entry, storage: torch.Tensor, narrow: torch.Tensor) -> None:
+        """Start the copy back into the fresh device ``storage`` (``narrow``: the view the copy writes)."""
         raise NotImplementedError
 
     def materialize(self, entry: Entry) -> torch.Tensor:
@@ -247,11 +253,7 @@ class HostTier(Tier):
         entry.host = buf
         return entry
 
-    def prefetch(self, entry: Entry) -> None:
-        new = self._new_reload(entry)
-        if new is None:
-            return
-        _, narrow = new
+    def _issue_reload(self, entry: Entry, storage: torch.Tensor, narrow: torch.Tensor) -> None:
         ctx = self.ctx
         src = entry.layout.host_view(entry.host)
         if ctx.is_async:
