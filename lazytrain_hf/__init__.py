@@ -2,6 +2,22 @@
 
 Heavy modules (Trainer, torch hooks) load on first use, so ``lazytrain plan`` starts without importing
 `transformers.Trainer`.
+
+Map of the package (each module's docstring says what it owns and what it may not touch):
+
+- `args` (`LazyTrainingArguments`), `trainer` (`LazyTrainer`: the Trainer overrides, orchestration only);
+  `training/`: `planning` (profile, warm-up, plan files, host check), `checkpoints` (atomic save, fp32 masters,
+  verification), `updater` (`LayerwiseUpdater`, the layer-wise optimizer step and its ordering guards);
+- `streaming/`: the executor: `store` (host store), `engine` (slot pool and copies), `hooks` (`attach`,
+  `StreamHandle`, forward hooks), `binder`, `scheduler`, `completion`, `gradients`, `units` (streamed embeddings and
+  head), `loss` (chunked loss);
+- `activations/`: where saved activations live: `engine` (the router), `tiers` and `nvme` (tier backends),
+  `recompute`, `layout`, `pool`, `accounting`;
+- `streams`: copy lanes (CUDA streams, or the simulated asynchronous CPU engine, ``LAZYTRAIN_SIMULATE_ASYNC=1``);
+- `planner/`: `plan` (the `Plan`), `hardware`, `costmodel`, `stages` (evaluate a plan), `formulation` (the MILP),
+  `solver`, `search`, `heuristics`, `milp` (entry point), `baselines`, `simulate`, `zoo`;
+- `optim/`: `HybridAdamW8bit` (`hybrid8bit`), its 8-bit state (`quant`), kernels (`kernels`, `native`), `clip`;
+- `models` (one table of the Qwen families), `data` (MetaMathQA), `cli` (``lazytrain``), `units`.
 """
 
 from __future__ import annotations
