@@ -21,7 +21,9 @@ Bytes per parameter (fp32 master, fp32 grad):
 ``--v-rules both`` also times every HybridAdamW8bit row with the second moment rounded as before issue #14 (to the
 nearest code, so a tiny positive v could become 0; Note: [A non-zero second moment keeps a non-zero code] in
 lazytrain_hf/optim/quant.py), in the same rounds: the rule is the first midpoint of the unsigned map's lookup
-tables, so the two rows run the same kernel code on different tables.
+tables, so the two rows run the same kernel code on different tables. Before the tables it prints the in-cache
+compute cost per rule and the two rules alternating step by step on one 25M tensor per backend (the comparison
+least exposed to a shared machine's drift).
 """
 
 from __future__ import annotations
@@ -85,24 +87,62 @@ def stream_bandwidth(reps: int, elems: int = 1 << 28) -> dict[str, float]:
     return {"copy": copy / 1e9, "in_place": in_place / 1e9}
 
 
-def native_compute_rate(reps: int, n: int = 1 << 20, inner: int = 20, v_rule: str = "nonzero") -> float | None:
-    """ns per element of the native kernel on one thread with every operand in cache (its compute cost alone)."""
+def native_compute_rates(reps: int, rules: tuple[str, ...], n: int = 1 << 20, inner: int = 20) -> dict[str, float]:
+    """ns per element of the native kernel on one thread with every operand in cache (its compute cost alone), per v
+    rule; the rules take turns within each repetition, so a drift of a shared machine reaches all alike. Empty when
+    the native kernel is unavailable."""
     from lazytrain_hf.optim import native
     from lazytrain_hf.optim.kernels import AdamWScalars
 
     if not native.available():
-        return None
+        return {}
     gen = torch.Generator().manual_seed(0)
     p, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
-    m, v = Quantized8bit.zeros(n, 256, signed=True), Quantized8bit.zeros(n, 256, signed=False)
-    v.lookup = V_RULES[v_rule]
     scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.01, 3, 0.5).as_float32()
+    states = {}
+    for rule in rules:
+        m, v = Quantized8bit.zeros(n, 256, signed=True), Quantized8bit.zeros(n, 256, signed=False)
+        v.lookup = V_RULES[rule]
+        states[rule] = (m, v)
 
-    def run() -> None:
+    def run(rule: str) -> None:
+        m, v = states[rule]
         for _ in range(inner):
             native.adamw8bit_step(p, g, m, v, scalars, None, 1, 256)
 
-    return min(_time(run, reps)) / inner / n * 1e9
+    best = {rule: math.inf for rule in rules}
+    for _ in range(reps + 2):
+        for rule in rules:
+            best[rule] = min(best[rule], min(_time(lambda r=rule: run(r), 1, warmup=0)))
+    return {rule: t / inner / n * 1e9 for rule, t in best.items()}
+
+
+def native_compute_rate(reps: int, n: int = 1 << 20, inner: int = 20) -> float | None:
+    """`native_compute_rates` of the optimizer's own rule (None when the native kernel is unavailable)."""
+    return native_compute_rates(reps, ("nonzero",), n, inner).get("nonzero")
+
+
+def rule_ab(backend: str, n: int = TENSOR_ELEMS, steps: int = 30, skip: int = 4) -> dict[str, list[float]]:
+    """Step times of one ``n``-element tensor per v rule, the two rules alternating step by step (the order flips
+    every step) so that a drift of a shared machine reaches both alike; the first ``skip`` steps are dropped."""
+    from lazytrain_hf.optim.kernels import AdamWScalars, adamw8bit_step
+
+    gen = torch.Generator().manual_seed(0)
+    cases = {}
+    for rule in ("nonzero", "nearest"):
+        p, g = torch.randn(n, generator=gen) * 0.02, torch.randn(n, generator=gen) * 1e-3
+        m, v = Quantized8bit.zeros(n, 256, signed=True), Quantized8bit.zeros(n, 256, signed=False)
+        v.lookup = V_RULES[rule]
+        cases[rule] = (p, g, m, v)
+    times: dict[str, list[float]] = {rule: [] for rule in cases}
+    for step in range(1, steps + 1):
+        scalars = AdamWScalars.make(1e-4, 0.9, 0.999, 1e-8, 0.01, step, 0.5)
+        for rule in ("nonzero", "nearest") if step % 2 else ("nearest", "nonzero"):
+            p, g, m, v = cases[rule]
+            t = time.perf_counter()
+            adamw8bit_step(p, g, m, v, scalars, None, backend)
+            times[rule].append(time.perf_counter() - t)
+    return {rule: ts[skip:] for rule, ts in times.items()}
 
 
 def _torch_case(n: int, reps: int, **kwargs) -> list[float]:
@@ -481,8 +521,8 @@ def main(argv: list[str] | None = None) -> None:
     probe = HybridAdamW8bit([torch.nn.Parameter(torch.zeros(1))])
     from lazytrain_hf.optim import native
 
-    rates = {rule: native_compute_rate(args.reps, v_rule=rule) for rule in v_rules}
-    rate = rates[v_rules[0]]
+    rates = native_compute_rates(args.reps, v_rules)
+    rate = rates.get(v_rules[0])
     print(f"torch {torch.__version__}, threads {torch.get_num_threads()}, HybridAdamW8bit default={probe.backend}")
     print(f"native kernel: {native.isa() if native.available() else native.error()}; load average: {os.getloadavg()}")
     print(
@@ -497,6 +537,16 @@ def main(argv: list[str] | None = None) -> None:
         )
         if len(v_rules) > 1:
             print("  same, per v rule: " + ", ".join(f"{rule} {r:.2f} ns/param" for rule, r in rates.items()))
+    if len(v_rules) > 1:
+        for backend in backends:
+            ab = rule_ab(backend)
+            print(
+                f"v rules alternating step by step, {TENSOR_ELEMS / 1e6:.0f}M elements, {backend}: "
+                + ", ".join(
+                    f"{rule} median {statistics.median(ts) * 1e3:.1f} ms (min {min(ts) * 1e3:.1f}, {len(ts)} steps)"
+                    for rule, ts in ab.items()
+                )
+            )
     print()
     cases = make_cases(
         args.reps,
