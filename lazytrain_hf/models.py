@@ -51,16 +51,22 @@ class ModelSpec:
     has_linear_attention: bool = False
     # MoE blocks with a shared expert (+ sigmoid gate) beside the routed ones
     has_shared_expert: bool = False
+    # the `*ForCausalLM` adds `router_aux_loss_coef * load_balancing_loss_func(...)` when output_router_logits is on
+    router_aux_loss: bool = False
 
 
 MODEL_TABLE: dict[str, ModelSpec] = {
     "qwen2": ModelSpec("qwen2", _never_moe),
-    "qwen2_moe": ModelSpec("qwen2_moe", _sparse_by_step, has_shared_expert=True),
+    "qwen2_moe": ModelSpec("qwen2_moe", _sparse_by_step, has_shared_expert=True, router_aux_loss=True),
     "qwen3": ModelSpec("qwen3", _never_moe),
-    "qwen3_moe": ModelSpec("qwen3_moe", _sparse_by_step),
-    "qwen3_next": ModelSpec("qwen3_next", _sparse_by_step, has_linear_attention=True, has_shared_expert=True),
+    "qwen3_moe": ModelSpec("qwen3_moe", _sparse_by_step, router_aux_loss=True),
+    "qwen3_next": ModelSpec(
+        "qwen3_next", _sparse_by_step, has_linear_attention=True, has_shared_expert=True, router_aux_loss=True
+    ),
     "qwen3_5_text": ModelSpec("qwen3_5_text", _never_moe, has_linear_attention=True),
-    "qwen3_5_moe_text": ModelSpec("qwen3_5_moe_text", _always_moe, has_linear_attention=True, has_shared_expert=True),
+    "qwen3_5_moe_text": ModelSpec(
+        "qwen3_5_moe_text", _always_moe, has_linear_attention=True, has_shared_expert=True, router_aux_loss=True
+    ),
 }
 
 
@@ -125,6 +131,17 @@ def lm_head(model: nn.Module) -> nn.Module:
 
 def rotary_emb(model: nn.Module) -> nn.Module:
     return model.get_submodule(get_spec(model).rotary_emb)
+
+
+def router_aux_loss(model: nn.Module, router_logits: Any, attention_mask: Any) -> Any:
+    """``router_aux_loss_coef * load_balancing_loss_func(...)`` exactly as the family's ``*ForCausalLM.forward`` adds
+    it to the loss (the function of the model class's own module, with its ``num_experts`` and
+    ``num_experts_per_tok``)."""
+    import sys
+
+    fn = sys.modules[type(model).__module__].load_balancing_loss_func
+    aux = fn(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
+    return model.router_aux_loss_coef * aux
 
 
 def ties_embeddings(model_or_config: Any) -> bool:

@@ -80,6 +80,8 @@ class LazyTrainer(Trainer):
         self._window = {"tokens": 0, "last_step": 0}
         self._n_params: int | None = None
         self._plan_from_file = False
+        self._best_pending = False
+        self._previous_optimizer: torch.optim.Optimizer | None = None
 
     # ------------------------------------------------------------------ train()
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
@@ -87,7 +89,11 @@ class LazyTrainer(Trainer):
             return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial, **kwargs)
         from .streaming import attach
 
-        if self.optimizer is not None:
+        self._best_pending = False
+        # Note: [The optimizer outlives train()]: ours from an earlier train() seeds the next one's state
+        if self.optimizer is not None and self.optimizer is self._previous_optimizer:
+            self.optimizer = None
+        elif self.optimizer is not None:
             raise ValueError(
                 "LazyTrainer(optimizers=...) with stream_enabled=True: the streamed model is updated by the "
                 "HybridAdamW8bit that train() builds over the host fp32 masters, so a given optimizer would never "
@@ -131,7 +137,7 @@ class LazyTrainer(Trainer):
             checkpoints.restore_masters(checkpoint, self.stream_handle, self._updater, "store")
             if self.args.world_size > 1:
                 self.stream_handle.grad_reducer = self._all_reduce_layer
-            return super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            result = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
             with contextlib.suppress(AttributeError):
                 del self.model._is_accelerate_prepared
@@ -139,11 +145,25 @@ class LazyTrainer(Trainer):
             if self._updater is not None:
                 self._updater.close()
                 self._updater = None
-                # its parameters are views of the host store removed below; the next train() builds a new one
-                # (resume_from_checkpoint restores the state)
-                self.optimizer = None
+                self._previous_optimizer = self.optimizer  # Note: [The optimizer outlives train()]
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
+        if self._best_pending:
+            # Note: [The best model is loaded into the unstreamed model]
+            self._best_pending = False
+            super()._load_best_model()
+        return result
+
+    def _load_best_model(self) -> None:
+        """Note: [The best model is loaded into the unstreamed model]
+        `load_best_model_at_end` loads the best checkpoint's weights into the model at the end of `Trainer.train`,
+        while the executor is still attached: resident layers would take them into their device slot only, and
+        `remove()` would put the last step's host copy back. The load is therefore deferred until the executor is
+        removed, so every weight is the best checkpoint's."""
+        if self.stream_handle is not None:
+            self._best_pending = True
+            return
+        super()._load_best_model()
 
     # ------------------------------------------------------------------ planning (lazytrain_hf.training.planning)
     def make_plan(self):
@@ -325,6 +345,13 @@ class LazyTrainer(Trainer):
         )
         if self.stream_handle is not None:
             self._updater.bind(opt)
+            previous, self._previous_optimizer = self._previous_optimizer, None
+            if previous is not None:
+                # Note: [The optimizer outlives train()]
+                # After train() the optimizer stays (`trainer.optimizer`, as with Trainer) over the masters of the
+                # host store it trained; the next train() builds the store anew and continues from its state (a
+                # checkpoint given to resume_from_checkpoint is loaded over it afterwards, as Trainer does).
+                opt.load_state_dict(previous.state_dict())
         self._wrap_optimizer_step(opt)
         self.optimizer = opt
         return opt

@@ -307,10 +307,16 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         """Causal-LM loss of ``inputs`` (with ``labels``) through the base model and the chunked loss.
 
         Same value and gradients as ``model(**inputs).loss`` (up to fp32 summation order), but the full
-        ``B x T x V`` logits never exist: see `chunked_causal_lm_loss`.
+        ``B x T x V`` logits never exist: see `chunked_causal_lm_loss`. MoE families with ``output_router_logits``
+        on add the router auxiliary loss as their ``*ForCausalLM`` does (`models.router_aux_loss`). A PEFT model
+        whose adapter acts outside the decoder layers the chunked path calls (prompt tuning's virtual tokens, a LoRA
+        on the lm_head; `chunked_loss_unsupported`) is run through its own forward instead, full logits included.
         """
         if "labels" not in inputs:
             raise ValueError("causal_lm_loss(inputs=...) needs a 'labels' entry (token ids, ignore_index on pads).")
+        if chunked_loss_unsupported(model) is not None:
+            out = model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"}, use_cache=False)
+            return out.loss
         inputs = dict(inputs)
         labels = inputs.pop("labels")
         inputs.pop("num_items_in_batch", None)
@@ -318,6 +324,11 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         base_path = self.spec.layers.rsplit(".", 1)[0]
         base = root.get_submodule(base_path)
         inputs.setdefault("use_cache", False)
+        router = self.spec.router_aux_loss and bool(
+            inputs.pop("output_router_logits", None) or getattr(root.config, "output_router_logits", False)
+        )
+        if router:
+            inputs["output_router_logits"] = True
         out = base(**inputs)
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         head = root.get_submodule(self.spec.lm_head)
@@ -335,6 +346,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             lm_head_bias=getattr(head, "bias", None),
             stats=stats,
         )
+        if router:
+            loss = loss + models.router_aux_loss(root, out.router_logits, inputs.get("attention_mask")).to(loss.device)
         self._loss_stats = stats
         self._loss_peak = max(self._loss_peak, stats.get("peak_bytes", 0))
         self._account(extra=stats.get("peak_bytes", 0))
@@ -367,6 +380,22 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
 
     def __exit__(self, *exc: Any) -> None:
         self.remove()
+
+
+def chunked_loss_unsupported(model: nn.Module) -> str | None:
+    """Why the chunked loss (base model + lm_head weight) would bypass part of ``model``, or None when it applies:
+    a PEFT prompt-learning adapter (its virtual tokens are added by `PeftModel.forward`) or an adapter on the
+    lm_head (the chunked loss reads ``lm_head.weight`` only)."""
+    peft_config = getattr(model, "peft_config", None)
+    if not isinstance(peft_config, dict):
+        return None
+    for name, cfg in peft_config.items():
+        if getattr(cfg, "is_prompt_learning", False):
+            return f"adapter {name!r} is {cfg.peft_type} (prompt learning)"
+    head = models.lm_head(hf_root(model))
+    if any(p.requires_grad for p in head.parameters()) and type(head) is not nn.Linear:
+        return f"the lm_head is wrapped by an adapter ({type(head).__name__})"
+    return None
 
 
 def attach(
@@ -413,6 +442,13 @@ def attach(
             "attach(model=...): the model is dispatched with accelerate hooks (device_map); load it on "
             "the CPU without device_map instead."
         )
+    for name, cfg in (getattr(model, "peft_config", None) or {}).items():
+        if str(getattr(cfg, "peft_type", "")).endswith("PREFIX_TUNING"):
+            raise ValueError(
+                f"attach(model=...): PEFT adapter {name!r} is prefix tuning, whose prefix lives in the attention cache "
+                "that recomputation does not replay; use LoRA or prompt tuning with streaming, or train it with "
+                "stream_enabled=False."
+            )
     if any(p.device.type == "meta" for p in model.parameters()):
         raise ValueError("attach(model=...): the model has parameters on the meta device; load real weights first.")
     dev = _resolve_device(device)

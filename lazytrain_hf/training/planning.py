@@ -26,6 +26,10 @@ from .checkpoints import write_plan
 logger = logging.get_logger(__name__)
 
 TIMELINE_FILE = "lazytrain_timeline.png"
+# The measured profile of this machine (planner_hardware="auto"), cached in output_dir. The leading underscore keeps
+# it out of `push_to_hub` (Trainer uploads output_dir with ignore_patterns=["_*", "checkpoint-*"]): the Hub gets the
+# model, its card and the plan, not this machine's memory, disks and bandwidths.
+PROFILE_FILE = "_lazytrain_hardware_profile.json"
 
 # Attention implementations by what their backward saves: "eager" keeps the T x T probabilities, the fused kernels
 # (sdpa, flash, flex) keep O(T) statistics like sdpa.
@@ -89,7 +93,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
 
     profile = (
         hardware.measure(
-            cache_path=os.path.join(a.output_dir, "hardware_profile.json"),
+            cache_path=os.path.join(a.output_dir, PROFILE_FILE),
             device=str(a.device),
             nvme_dir=a.activation_nvme_dir,
         )

@@ -1,0 +1,233 @@
+"""Trainer features while streaming behave as in `transformers.Trainer`: each test below is one row of the feature
+table (router aux loss, PEFT adapters outside the decoder layers, the best model at the end, the optimizer across
+train() calls, what push_to_hub uploads), checked against the unstreamed model or Trainer."""
+
+from __future__ import annotations
+
+import copy
+import fnmatch
+import os
+
+import pytest
+import torch
+from conftest import tiny_model
+from safetensors.torch import load_file
+from trainer_fixtures import token_dataset
+from transformers import TrainerCallback
+
+from lazytrain_hf import LazyTrainer, LazyTrainingArguments, models
+from lazytrain_hf.planner.plan import LayerPlan, Plan
+from lazytrain_hf.streaming import attach
+
+
+def batch(seed: int = 0, B: int = 2, T: int = 10) -> dict[str, torch.Tensor]:
+    ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids), "labels": ids.clone()}
+
+
+def loss_and_grads(model, inputs, streamed: bool):
+    model.zero_grad(set_to_none=True)
+    if streamed:
+        handle = attach(model, device="cpu")
+        try:
+            loss = handle.causal_lm_loss(model, inputs)
+            loss.backward()
+            grads = {k: v.clone() for k, v in handle.grads().items()}
+        finally:
+            handle.remove()
+    else:
+        loss = model(**inputs, use_cache=False).loss
+        loss.backward()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), grads
+
+
+def assert_close_grads(got: dict, ref: dict, rtol: float, atol: float) -> None:
+    assert sorted(got) == sorted(ref)
+    for k in ref:
+        torch.testing.assert_close(got[k], ref[k], rtol=rtol, atol=atol, msg=k)
+
+
+# ---------------------------------------------------------------------------------------------------------- MoE
+@pytest.mark.parametrize("model_type", ["qwen2_moe", "qwen3_moe", "qwen3_next", "qwen3_5_moe_text"])
+def test_router_aux_loss_is_added_as_hf_does(model_type):
+    """With `output_router_logits=True` the loss includes `router_aux_loss_coef * load_balancing_loss`, as the HF
+    model's forward adds it; gradients (the routers' included) match within fp32 summation-order tolerance."""
+    ref = tiny_model(model_type, seed=2, output_router_logits=True, router_aux_loss_coef=0.5)
+    model = copy.deepcopy(ref)
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(ref, inputs, streamed=False)
+    plain = tiny_model(model_type, seed=2, output_router_logits=False)
+    no_aux = plain(**inputs, use_cache=False).loss.detach()
+    assert abs(float(ref_loss - no_aux)) > 1e-3  # the aux term is visible at this coefficient
+    loss, grads = loss_and_grads(model, inputs, streamed=True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert_close_grads(grads, ref_grads, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------------------------------------------------- PEFT
+def _peft(model, kind: str):
+    from peft import LoraConfig, PromptTuningConfig, TaskType, get_peft_model
+
+    if kind == "prompt":
+        cfg = PromptTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4)
+    else:
+        cfg = LoraConfig(task_type=TaskType.CAUSAL_LM, r=4, target_modules=["q_proj", "lm_head"], lora_dropout=0.0)
+    torch.manual_seed(3)
+    return get_peft_model(model, cfg)
+
+
+@pytest.mark.parametrize("kind", ["prompt", "lora_lm_head"])
+def test_adapters_outside_the_layers_go_through_peft_forward(kind):
+    """Prompt tuning (virtual tokens) and a LoRA on the lm_head are honoured: the streamed loss and the adapter's
+    gradients equal the unstreamed PEFT model's."""
+    ref = _peft(tiny_model("qwen3", seed=2), kind)
+    model = copy.deepcopy(ref)
+    inputs = batch()
+    ref_loss, ref_grads = loss_and_grads(ref, inputs, streamed=False)
+    loss, grads = loss_and_grads(model, inputs, streamed=True)
+    torch.testing.assert_close(loss, ref_loss, rtol=1e-6, atol=1e-6)
+    assert ref_grads and sorted(grads) == sorted(ref_grads)
+    assert any("lm_head" in k or "prompt" in k for k in ref_grads)
+    assert_close_grads(grads, ref_grads, rtol=1e-4, atol=1e-6)
+
+
+def test_prefix_tuning_is_refused():
+    from peft import PrefixTuningConfig, TaskType, get_peft_model
+
+    model = get_peft_model(tiny_model("qwen3"), PrefixTuningConfig(task_type=TaskType.CAUSAL_LM, num_virtual_tokens=4))
+    with pytest.raises(ValueError, match="prefix tuning.*use LoRA or prompt tuning.*stream_enabled=False"):
+        attach(model, device="cpu")
+
+
+# ---------------------------------------------------------------------------------------------------------- Trainer
+def resident_plan_file(tmp_path, kinds: list[str]) -> str:
+    layers = [LayerPlan(index=i, kind=k, resident=i in (1, 2, 3)) for i, k in enumerate(kinds)]
+    plan = Plan(layers=layers, micro_batch_size=4, seq_len=12, source="file", optimizer_overlap=False)
+    path = str(tmp_path / "plan.json")
+    plan.to_json(path)
+    return path
+
+
+def test_best_model_is_exactly_the_best_checkpoint(tmp_path):
+    """`load_best_model_at_end` with resident layers: every weight after train() is the best checkpoint's."""
+    model = tiny_model("qwen3", seed=1)
+    args = LazyTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=3,
+        learning_rate=5e-3,
+        report_to=[],
+        use_cpu=True,
+        seed=3,
+        eval_strategy="steps",
+        eval_steps=1,
+        save_strategy="steps",
+        save_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,  # the worst loss, i.e. the first checkpoint: not the last step's weights
+        planner_plan=resident_plan_file(tmp_path, models.layer_kinds(model.config)),
+    )
+    tr = LazyTrainer(model=model, args=args, train_dataset=token_dataset(), eval_dataset=token_dataset(n=4, seed=7))
+    tr.train()
+    best = tr.state.best_model_checkpoint
+    assert best is not None and best.endswith("checkpoint-1"), best
+    saved = load_file(os.path.join(best, "model.safetensors"))
+    state = model.state_dict()
+    assert saved, best
+    bad = [k for k in saved if not torch.equal(state[k], saved[k])]
+    assert not bad, f"weights differ from {best}: {bad[:5]}"
+    last = load_file(os.path.join(os.path.dirname(best), "checkpoint-3", "model.safetensors"))
+    assert any(not torch.equal(last[k], saved[k]) for k in saved)  # the check can tell the two apart
+
+
+def _two_trains(tmp_path, stream: bool) -> tuple[list[float], LazyTrainer]:
+    losses: list[float] = []
+
+    class Rec(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    args = LazyTrainingArguments(
+        output_dir=str(tmp_path / f"out{stream}"),
+        per_device_train_batch_size=4,
+        max_steps=2,
+        learning_rate=5e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=3,
+        data_seed=3,
+        save_strategy="no",
+        stream_enabled=stream,
+        optim_hybrid_8bit=True,
+        planner_policy="default",
+    )
+    tr = LazyTrainer(model=tiny_model("qwen3", seed=1), args=args, train_dataset=token_dataset(), callbacks=[Rec()])
+    tr.train()
+    assert tr.optimizer is not None
+    steps = [s["step"] for s in tr.optimizer.state.values()]
+    assert steps and all(int(s) == 2 for s in steps)
+    tr.train()
+    steps = [s["step"] for s in tr.optimizer.state.values()]
+    assert all(int(s) == 4 for s in steps), "the second train() started from fresh moments"
+    return losses, tr
+
+
+def test_optimizer_persists_and_a_second_train_continues(tmp_path):
+    """As with Trainer: `trainer.optimizer` stays after train(), and a second train() continues from its moments;
+    the streamed run's losses over both calls equal the unstreamed run's (same optimizer) within tolerance."""
+    streamed, _ = _two_trains(tmp_path, stream=True)
+    plain, _ = _two_trains(tmp_path, stream=False)
+    assert len(streamed) == len(plain) == 4
+    assert streamed == pytest.approx(plain, rel=1e-4)  # logged losses are rounded to 4 digits
+
+
+class _RecordingHubApi:
+    """The Hub client at the network boundary (unreachable here): records what would be uploaded."""
+
+    def __init__(self):
+        self.uploads: list[dict] = []
+
+    def create_repo(self, repo_id, **kwargs):
+        return type("RepoUrl", (), {"repo_id": repo_id})()
+
+    def upload_folder(self, folder_path, ignore_patterns=(), **kwargs):
+        files = []
+        for root, _, names in os.walk(folder_path):
+            for n in names:
+                rel = os.path.relpath(os.path.join(root, n), folder_path)
+                if not any(
+                    fnmatch.fnmatch(rel, p) or fnmatch.fnmatch(rel.split(os.sep)[0], p) for p in ignore_patterns
+                ):
+                    files.append(rel)
+        self.uploads.append(dict(kwargs, files=sorted(files)))
+
+
+def test_push_to_hub_uploads_the_model_card_and_plan_not_the_machine(tmp_path, monkeypatch):
+    import transformers.trainer
+
+    api = _RecordingHubApi()
+    monkeypatch.setattr(transformers.trainer, "hf_api", lambda: api)
+    args = LazyTrainingArguments(
+        output_dir=str(tmp_path / "out"),
+        per_device_train_batch_size=4,
+        max_steps=1,
+        report_to=[],
+        use_cpu=True,
+        save_strategy="no",
+        planner_hardware="auto",
+        planner_warmup_steps=1,
+        planner_time_limit=10,
+        hub_model_id="me/tiny",
+    )
+    tr = LazyTrainer(model=tiny_model("qwen3", seed=1), args=args, train_dataset=token_dataset())
+    tr.train()
+    assert any("hardware" in n for n in os.listdir(tmp_path / "out"))  # the profile was measured and cached
+    tr.push_to_hub()
+    files = api.uploads[-1]["files"]
+    for name in ("model.safetensors", "config.json", "README.md", "lazytrain_plan.json"):
+        assert name in files, files
+    assert not [f for f in files if "hardware" in f], files
