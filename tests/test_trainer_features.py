@@ -231,3 +231,20 @@ def test_push_to_hub_uploads_the_model_card_and_plan_not_the_machine(tmp_path, m
     for name in ("model.safetensors", "config.json", "README.md", "lazytrain_plan.json"):
         assert name in files, files
     assert not [f for f in files if "hardware" in f], files
+
+
+def test_resume_restores_the_batch_size_the_plan_chose(tmp_path):
+    """After `planner_auto_batch_size` picked a micro-batch size, resuming trains with that size again (not the
+    per_device_train_batch_size given), so sampling and schedule continue exactly: losses equal the uninterrupted run."""
+    from trainer_fixtures import make_trainer
+
+    extra = dict(planner_auto_batch_size=True, planner_max_batch_size=2, per_device_train_batch_size=4)
+    full = make_trainer(tmp_path / "full", max_steps=3, save_steps=1, **extra)
+    full.train()
+    chosen = full.lazy_plan.micro_batch_size
+    assert chosen <= 2 and full.args.per_device_train_batch_size == chosen
+    resumed = make_trainer(tmp_path / "full", max_steps=3, save_steps=1, **extra)
+    assert resumed.args.per_device_train_batch_size == 4
+    resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
+    assert resumed.args.per_device_train_batch_size == chosen
+    assert resumed.loss_recorder.losses == full.loss_recorder.losses[1:]
