@@ -117,7 +117,7 @@ class LazyTrainer(Trainer):
             plan = self.load_plan_file(self.args.planner_plan)
             self.check_plan_fits(plan, where=self.args.planner_plan)
         if plan is None:
-            plan = self.make_plan()
+            plan = self._plan_on_rank_zero()
         self.check_host_memory(plan)  # before the host store allocates anything
         self.stream_handle = attach(
             self.model, plan=plan, device=self.args.device, nvme_dir=self.args.activation_nvme_dir
@@ -176,6 +176,37 @@ class LazyTrainer(Trainer):
                 self._adopt_batch_size(plan)
             if self.args.should_save:
                 planning.save_plan(plan, cost_model, self.args.output_dir)
+        return plan
+
+    def _plan_on_rank_zero(self):
+        """Note: [One plan for every rank]
+        In data parallel only rank 0 profiles, warms up and solves; the plan (with the batch size it chose) is
+        broadcast and every rank executes it, so all ranks stream the same way and keep the same batch size. A
+        planning error on rank 0 is raised on every rank instead of leaving the others waiting."""
+        import torch.distributed as dist
+
+        if self.args.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+            return self.make_plan()
+        from .planner.plan import Plan
+
+        box: list[Any] = [None]
+        if dist.get_rank() == 0:
+            try:
+                box = [("plan", self.make_plan().to_json())]
+            except Exception as e:
+                box = [("error", f"{type(e).__name__}: {e}")]
+                dist.broadcast_object_list(box, src=0)
+                raise
+        dist.broadcast_object_list(box, src=0)
+        kind, payload = box[0]
+        if kind == "error":
+            raise RuntimeError(f"planning failed on rank 0: {payload}")
+        if dist.get_rank() == 0:
+            return self.lazy_plan
+        plan = Plan.from_json(payload)
+        self.lazy_plan = plan
+        if self.args.planner_auto_batch_size:
+            self._adopt_batch_size(plan)
         return plan
 
     def load_plan_file(self, path: str):

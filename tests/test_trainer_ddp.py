@@ -31,6 +31,9 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, policy):
            "--out", str(ddp), "--per-device-batch", "2", "--policy", policy]
     proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
+    # Note: [One plan for every rank]: rank 0 plans, rank 1 executes the broadcast plan
+    assert (ddp / "rank0.planned").read_text() == "1" and (ddp / "rank1.planned").read_text() == "0"
+    assert (ddp / "rank0.plan.json").read_text() == (ddp / "rank1.plan.json").read_text()
     r0, r1 = load_file(ddp / "rank0.safetensors"), load_file(ddp / "rank1.safetensors")
     for k in r0:
         assert torch.equal(r0[k], r1[k]), f"{k} differs across ranks"

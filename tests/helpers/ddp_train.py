@@ -20,7 +20,17 @@ def main() -> None:
     from safetensors.torch import save_file
     from trainer_fixtures import make_trainer
 
+    from lazytrain_hf.training import planning
+
     rank = int(os.environ.get("RANK", "0"))
+    planned = []
+    real_make_plan = planning.make_plan
+
+    def counting_make_plan(*args, **kwargs):
+        planned.append(rank)
+        return real_make_plan(*args, **kwargs)
+
+    planning.make_plan = counting_make_plan  # which ranks profile, warm up and solve
     trainer = make_trainer(
         os.path.join(a.out, "run"),
         max_steps=3,
@@ -34,6 +44,10 @@ def main() -> None:
     losses = ",".join(f"{x:.8f}" for x in trainer.loss_recorder.losses)
     with open(os.path.join(a.out, f"rank{rank}.losses"), "w") as f:
         f.write(losses)
+    with open(os.path.join(a.out, f"rank{rank}.plan.json"), "w") as f:
+        f.write(trainer.lazy_plan.to_json())
+    with open(os.path.join(a.out, f"rank{rank}.planned"), "w") as f:
+        f.write(str(len(planned)))
 
 
 if __name__ == "__main__":
