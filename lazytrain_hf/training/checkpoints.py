@@ -3,10 +3,11 @@
 Owns the checkpoint protocol on disk: staging directories renamed into place (Note: [Atomic checkpoints]), the fp32
 masters file (Note: [fp32 masters in checkpoints]), the plan next to the weights (`write_plan` / `read_plan`), the
 check of every file a resume reads (`verify_checkpoint`), which checkpoint a resume means (`resolve_checkpoint`) and
-the model card section. Functions take directories, plans and the executor's objects (`StreamHandle`,
-`LayerwiseUpdater`) as arguments: this module never imports `transformers.Trainer`, never writes weights,
-optimizer or scheduler files (Trainer's `_save_checkpoint` does, into the staging directory) and moves nothing
-between host and device.
+the model card section, and the weights a resume loads in the format `save_pretrained` wrote them
+(`load_checkpoint_weights`, Note: [Checkpoint weights in the saved format]). Functions take directories, plans, the
+model and the executor's objects (`StreamHandle`, `LayerwiseUpdater`) as arguments: this module never imports
+`transformers.Trainer`, never writes weights, optimizer or scheduler files (Trainer's `_save_checkpoint` does, into
+the staging directory) and moves nothing between host and device.
 """
 
 from __future__ import annotations
@@ -17,11 +18,16 @@ import os
 import shutil
 
 import torch
+from transformers.utils import logging
 
 from ..args import PLAN_FILE
 from ..units import format_bytes
 
 MASTER_FILE = "lazytrain_master.safetensors"
+WEIGHTS_FILE = "model.safetensors"
+WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
+
+logger = logging.get_logger(__name__)
 
 # Note: [Atomic checkpoints] a checkpoint is written into ``<run_dir>/.staging-<pid>/checkpoint-<N>`` and renamed into
 # place once complete (`publish_checkpoint`), so an interrupted save never replaces a good checkpoint with a
@@ -190,10 +196,11 @@ def checkpoint_error(checkpoint: str | None, e: BaseException) -> str:
     )
 
 
-def verify_checkpoint(checkpoint_dir: str) -> None:
+def verify_checkpoint(checkpoint_dir: str, model=None) -> None:
     """Open every file a resume reads (weights, optimizer, scheduler and RNG states, trainer state, plan) without
     loading it into the model; a corrupted or truncated one raises ValueError naming the file. (`training_args.bin`
-    is written by Trainer for reference only and never read back.)"""
+    is written by Trainer for reference only and never read back.) With ``model``, the weights must also cover every
+    parameter and buffer it saves, once converted as a resume converts them (`check_weights_cover`)."""
     from safetensors import safe_open
 
     from ..planner.plan import Plan
@@ -229,6 +236,8 @@ def verify_checkpoint(checkpoint_dir: str) -> None:
                 f"checkpoint file {path} is corrupted or truncated ({type(e).__name__}: {e}); resume from an "
                 f"earlier checkpoint-<N> directory or delete this one."
             ) from e
+    if model is not None:
+        check_weights_cover(checkpoint_dir, model)
 
 
 def read_plan(checkpoint_dir: str):
@@ -239,6 +248,197 @@ def read_plan(checkpoint_dir: str):
     if not os.path.exists(path):
         return None
     return Plan.from_json(path)
+
+
+# ---------------------------------------------------------------------- weights in the saved format
+# Note: [Checkpoint weights in the saved format] `save_pretrained` writes the weights in the layout of the hub
+# checkpoints (transformers' `revert_weight_conversion`), which need not be the model's own: the MoE families
+# (qwen2_moe, qwen3_moe, qwen3_next, qwen3_5_moe_text) hold their experts fused (`mlp.experts.gate_up_proj`,
+# `mlp.experts.down_proj`) and save them one tensor per expert (`mlp.experts.{i}.{gate,up,down}_proj.weight`).
+# `from_pretrained` converts them back; Trainer's `_load_from_checkpoint` (`load_state_dict(strict=False)`) does not:
+# the fused experts were reported "missing" and kept their initial values. A resume therefore converts the checkpoint
+# with the transforms `from_pretrained` applies (transformers' conversion mapping for the model, the same ops in the
+# same key order) and copies the result into the model's parameters in place, one converted target at a time;
+# `check_weights_cover` runs the same conversion on the shapes of the file headers (meta tensors, no data read).
+def load_checkpoint_weights(checkpoint_dir: str, model) -> bool:
+    """Load the weights of the checkpoint in ``checkpoint_dir`` into ``model`` (in place), converted from the format
+    `save_pretrained` wrote to the model's own parameter names and shapes (Note: [Checkpoint weights in the saved
+    format]). Returns False, loading nothing, where no conversion applies (no safetensors weights, a model that is
+    not a `PreTrainedModel` such as a PEFT wrapper, or no conversion mapping for its class): Trainer's own load is
+    exact there. Raises ValueError where the weights do not cover the model (`check_weights_cover`) or a file cannot
+    be read."""
+    files = _weight_files(checkpoint_dir)
+    if files is None or not _is_pretrained(model) or not _weight_transforms(model):
+        return False
+    try:
+        problem = _coverage_problem(checkpoint_dir, files, model)
+        if problem is None:
+            _copy_converted(files, model)
+    except Exception as e:
+        raise ValueError(checkpoint_error(checkpoint_dir, e)) from e
+    if problem is not None:
+        raise ValueError(problem)
+    return True
+
+
+def check_weights_cover(checkpoint_dir: str, model) -> None:
+    """Raise ValueError naming the checkpoint, the model's parameters its weights leave uncovered (or give another
+    shape) once converted as a resume converts them, the keys the model would have saved that are absent, and the
+    fix. Reads only the file headers; nothing to check without safetensors weights or for a model that is not a
+    `PreTrainedModel` (a PEFT checkpoint holds the adapters only)."""
+    files = _weight_files(checkpoint_dir)
+    if files is None or not _is_pretrained(model):
+        return
+    problem = _coverage_problem(checkpoint_dir, files, model)
+    if problem is not None:
+        raise ValueError(problem)
+
+
+def _is_pretrained(model) -> bool:
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+def _weight_files(checkpoint_dir: str) -> list[str] | None:
+    """The safetensors weight files of a checkpoint (one, or the shards its index names), or None."""
+    single = os.path.join(checkpoint_dir, WEIGHTS_FILE)
+    if os.path.isfile(single):
+        return [single]
+    index = os.path.join(checkpoint_dir, WEIGHTS_INDEX_FILE)
+    if os.path.isfile(index):
+        with open(index) as f:
+            shards = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(checkpoint_dir, s) for s in shards]
+    return None
+
+
+def _weight_transforms(model) -> list:
+    """The weight transforms `from_pretrained` applies to ``model``'s checkpoints: the ones it recorded when it loaded
+    the model, else transformers' conversion mapping for the model's class (as `revert_weight_conversion` picks the
+    ones it reverts on save), legacy renamings excluded (never applied on save)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+
+    return getattr(model, "_weight_conversions", None) or get_model_conversion_mapping(model, add_legacy=False)
+
+
+def _group_by_target(model, sources: dict) -> tuple[dict, list[str]]:
+    """Checkpoint tensors (or callables reading them) by the model parameter they convert to, as
+    `convert_and_load_state_dict_in_model` collects them: one `WeightConverter` or `WeightRenaming` per target, its
+    sources in natural key order (expert 10 after expert 9). Also the names that match nothing in the model."""
+    from copy import deepcopy
+
+    from transformers.core_model_loading import (
+        WeightConverter,
+        WeightRenaming,
+        dot_natural_key,
+        rename_source_key,
+    )
+
+    transforms = _weight_transforms(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    by_pattern = {p: c for c in converters for p in c.source_patterns}
+    expected = model.state_dict()
+    groups: dict = {}
+    unexpected: list[str] = []
+    for key in sorted(sources, key=dot_natural_key):
+        name, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, expected)
+        if name not in expected and key in expected:
+            name, pattern = key, None
+        if name not in expected:
+            unexpected.append(name)
+        elif pattern is None:
+            groups.setdefault(name, WeightRenaming(key, name)).add_tensor(name, key, key, sources[key])
+        else:
+            groups.setdefault(name, deepcopy(by_pattern[pattern])).add_tensor(name, key, pattern, sources[key])
+    return groups, unexpected
+
+
+def _converted(model, group, target: str) -> dict[str, torch.Tensor]:
+    out = group.convert(target, model=model, config=model.config)
+    return {k: v[0] if isinstance(v, list) else v for k, v in out.items()}
+
+
+def _saved_names(model) -> set[str]:
+    """The names of the parameters and buffers ``model`` saves (tied copies and `_keys_to_ignore_on_save` left
+    out, as `save_pretrained` leaves them out)."""
+    from transformers.modeling_utils import remove_tied_weights_from_state_dict
+
+    names = set(remove_tied_weights_from_state_dict(model.state_dict(), model))
+    return names - set(model._keys_to_ignore_on_save or ())
+
+
+def _coverage_problem(checkpoint_dir: str, files: list[str], model) -> str | None:
+    """What `check_weights_cover` reports, or None: the checkpoint's keys converted on meta tensors of their shapes."""
+    from safetensors import safe_open
+    from transformers.core_model_loading import dot_natural_key, revert_weight_conversion
+
+    sources = {}
+    for path in files:
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():
+                sources[key] = torch.empty(f.get_slice(key).get_shape(), device="meta")
+    groups, _ = _group_by_target(model, sources)
+    shapes = {n: tuple(t.shape) for n, t in model.state_dict().items()}
+    covered, unfit = set(), {}
+    for target, group in groups.items():
+        try:
+            out = _converted(model, group, target)
+        except Exception as e:  # e.g. gate and up projections of different expert counts
+            unfit[target] = f"conversion failed: {type(e).__name__}: {e}"
+            continue
+        for name, t in out.items():
+            if name in shapes and tuple(t.shape) != shapes[name]:
+                unfit[name] = f"shape {tuple(t.shape)} from the checkpoint, {shapes[name]} in the model"
+            else:
+                covered.add(name)
+    saved = _saved_names(model)
+    missing = sorted(saved - covered - set(unfit), key=dot_natural_key)
+    if not missing and not unfit:
+        return None
+    # the keys this model writes (`revert_weight_conversion` on meta tensors) that the checkpoint lacks
+    meta = {n: torch.empty(shapes[n], device="meta") for n in saved}
+    absent = sorted(set(revert_weight_conversion(model, meta)) - set(sources), key=dot_natural_key)
+    parts = []
+    if missing:
+        parts.append(f"{len(missing)} parameter(s) of the model are missing: {', '.join(missing[:5])}")
+    if unfit:
+        parts.append(f"{len(unfit)} do not fit: " + "; ".join(f"{n} ({why})" for n, why in list(unfit.items())[:3]))
+    if absent:
+        parts.append(f"it lacks {len(absent)} key(s) this model saves: {', '.join(absent[:5])}")
+    return (
+        f"checkpoint {checkpoint_dir} does not hold all of the model's weights once converted as a resume converts "
+        f"them (transformers' conversion mapping for {type(model).__name__}): {'; '.join(parts)}. It was written "
+        "for another model (architecture, expert count) or is incomplete; resume from a checkpoint of this model "
+        "(an earlier checkpoint-<N> directory) or start without resume_from_checkpoint."
+    )
+
+
+def _copy_converted(files: list[str], model) -> None:
+    """Copy the checkpoint's tensors, converted one target at a time (each read from the file when converted), into
+    the model's parameters and buffers in place: their objects (tied weights, optimizer references) are kept."""
+    from functools import partial
+
+    from safetensors import safe_open
+
+    def read(sl):
+        return sl[...]
+
+    with contextlib.ExitStack() as stack:
+        sources = {}
+        for path in files:
+            f = stack.enter_context(safe_open(path, framework="pt"))
+            sources.update({key: partial(read, f.get_slice(key)) for key in f.keys()})
+        groups, unexpected = _group_by_target(model, sources)
+        if unexpected:
+            logger.warning(f"There were unexpected keys in the checkpoint model loaded: {unexpected}.")
+        targets = model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for target, group in groups.items():
+                for name, t in _converted(model, group, target).items():
+                    if name in targets:
+                        targets[name].copy_(t)
 
 
 # ---------------------------------------------------------------------- model card
