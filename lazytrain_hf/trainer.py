@@ -103,7 +103,7 @@ class LazyTrainer(Trainer):
         checkpoint = checkpoints.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         plan = None
         if checkpoint is not None:
-            verify_checkpoint(checkpoint)
+            verify_checkpoint(checkpoint, self.model)
             # weights go in before the host store is built from them; the plan is the one that trained them
             self._load_from_checkpoint(checkpoint)
             self._preloaded_checkpoint = checkpoint
@@ -120,7 +120,11 @@ class LazyTrainer(Trainer):
             plan = self._plan_on_rank_zero()
         self.check_host_memory(plan)  # before the host store allocates anything
         self.stream_handle = attach(
-            self.model, plan=plan, device=self.args.device, nvme_dir=self.args.activation_nvme_dir
+            self.model,
+            plan=plan,
+            device=self.args.device,
+            nvme_dir=self.args.activation_nvme_dir,
+            compute_dtype=self._compute_dtype(),
         )
         if "nvme" in plan.tiers_used():
             try:
@@ -151,7 +155,7 @@ class LazyTrainer(Trainer):
         if self._best_pending:
             # Note: [The best model is loaded into the unstreamed model]
             self._best_pending = False
-            super()._load_best_model()
+            self._load_best_now()
         return result
 
     def _load_best_model(self) -> None:
@@ -162,6 +166,14 @@ class LazyTrainer(Trainer):
         removed, so every weight is the best checkpoint's."""
         if self.stream_handle is not None:
             self._best_pending = True
+            return
+        self._load_best_now()
+
+    def _load_best_now(self) -> None:
+        best = self.state.best_model_checkpoint
+        # Note: [Checkpoint weights in the saved format] in training/checkpoints.py (MoE experts saved per expert)
+        if best is not None and checkpoints.load_checkpoint_weights(best, self.model):
+            logger.info(f"Loaded best model from {best} (score: {self.state.best_metric}).")
             return
         super()._load_best_model()
 
@@ -224,7 +236,18 @@ class LazyTrainer(Trainer):
     def check_host_memory(self, plan) -> None:
         """Refuse, before anything is allocated, a run whose host store, optimizer state and pinned activation
         buffers would not fit in the host memory available now, with the numbers and what would fit."""
-        planning.check_host_memory(plan, self.model, hybrid_8bit=self.args.optim_hybrid_8bit)
+        planning.check_host_memory(
+            plan, self.model, hybrid_8bit=self.args.optim_hybrid_8bit, compute_dtype=self._compute_dtype()
+        )
+
+    def _compute_dtype(self) -> torch.dtype | None:
+        """``bf16=True`` with fp32 parameters: compute with a bf16 copy, fp32 masters on the host (as a bf16-loaded
+        model trains, the optimizer on fp32 masters). Accelerate's autocast never applies to the streamed model
+        (Note: [The executor owns placement]), so this is what bf16 means here."""
+        if not self.args.bf16:
+            return None
+        fp32 = any(p.dtype == torch.float32 for p in self.model.parameters())
+        return torch.bfloat16 if fp32 else None
 
     def measure_layer_times(self, batch: dict[str, torch.Tensor], steps: int) -> tuple[list[float], list[float]]:
         """Median forward and backward seconds per decoder layer over `steps` timed forward+backward passes, every
@@ -254,6 +277,9 @@ class LazyTrainer(Trainer):
     def _load_from_checkpoint(self, resume_from_checkpoint: str, model: Any = None) -> None:
         if self.stream_handle is not None and resume_from_checkpoint == self._preloaded_checkpoint:
             return  # loaded before the executor was attached
+        # Note: [Checkpoint weights in the saved format] in training/checkpoints.py
+        if checkpoints.load_checkpoint_weights(resume_from_checkpoint, self.model if model is None else model):
+            return
         try:
             super()._load_from_checkpoint(resume_from_checkpoint, model)
         except Exception as e:
@@ -301,7 +327,7 @@ class LazyTrainer(Trainer):
             return
         from .streaming import attach
 
-        handle = attach(self.model, plan=self.lazy_plan, device=self.args.device)
+        handle = attach(self.model, plan=self.lazy_plan, device=self.args.device, compute_dtype=self._compute_dtype())
         self.model._is_accelerate_prepared = True
         try:
             yield handle

@@ -11,7 +11,6 @@ import os
 import pytest
 import torch
 from conftest import tiny_model
-from safetensors.torch import load_file
 from trainer_fixtures import token_dataset
 from transformers import TrainerCallback
 
@@ -109,9 +108,13 @@ def resident_plan_file(tmp_path, kinds: list[str]) -> str:
     return path
 
 
-def test_best_model_is_exactly_the_best_checkpoint(tmp_path):
-    """`load_best_model_at_end` with resident layers: every weight after train() is the best checkpoint's."""
-    model = tiny_model("qwen3", seed=1)
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_best_model_is_exactly_the_best_checkpoint(tmp_path, model_type):
+    """`load_best_model_at_end` with resident layers: every weight after train() is the best checkpoint's (as
+    `from_pretrained` reads it; MoE checkpoints hold per-expert keys)."""
+    from transformers import AutoModelForCausalLM
+
+    model = tiny_model(model_type, seed=1)
     args = LazyTrainingArguments(
         output_dir=str(tmp_path / "out"),
         per_device_train_batch_size=4,
@@ -125,20 +128,32 @@ def test_best_model_is_exactly_the_best_checkpoint(tmp_path):
         save_strategy="steps",
         save_steps=1,
         load_best_model_at_end=True,
-        metric_for_best_model="eval_loss",
-        greater_is_better=True,  # the worst loss, i.e. the first checkpoint: not the last step's weights
+        metric_for_best_model="first",
+        greater_is_better=True,
         planner_plan=resident_plan_file(tmp_path, models.layer_kinds(model.config)),
     )
-    tr = LazyTrainer(model=model, args=args, train_dataset=token_dataset(), eval_dataset=token_dataset(n=4, seed=7))
+    evals = []
+
+    def first_is_best(pred):  # the first checkpoint is the best: not the last step's weights
+        evals.append(1)
+        return {"first": -float(len(evals))}
+
+    tr = LazyTrainer(
+        model=model,
+        args=args,
+        train_dataset=token_dataset(),
+        eval_dataset=token_dataset(n=4, seed=7),
+        compute_metrics=first_is_best,
+    )
     tr.train()
     best = tr.state.best_model_checkpoint
     assert best is not None and best.endswith("checkpoint-1"), best
-    saved = load_file(os.path.join(best, "model.safetensors"))
+    saved = AutoModelForCausalLM.from_pretrained(best).state_dict()
     state = model.state_dict()
-    assert saved, best
+    assert sorted(saved) == sorted(state)
     bad = [k for k in saved if not torch.equal(state[k], saved[k])]
     assert not bad, f"weights differ from {best}: {bad[:5]}"
-    last = load_file(os.path.join(os.path.dirname(best), "checkpoint-3", "model.safetensors"))
+    last = AutoModelForCausalLM.from_pretrained(os.path.join(os.path.dirname(best), "checkpoint-3")).state_dict()
     assert any(not torch.equal(last[k], saved[k]) for k in saved)  # the check can tell the two apart
 
 
@@ -248,3 +263,70 @@ def test_resume_restores_the_batch_size_the_plan_chose(tmp_path):
     resumed.train(resume_from_checkpoint=str(tmp_path / "full" / "checkpoint-1"))
     assert resumed.args.per_device_train_batch_size == chosen
     assert resumed.loss_recorder.losses == full.loss_recorder.losses[1:]
+
+
+def _bf16_run(tmp_path, stream: bool, bf16: bool, look=None) -> tuple[list[float], LazyTrainer]:
+    """Four steps; ``look(trainer)`` may return a callback that inspects the trainer while it trains."""
+    losses: list[float] = []
+
+    class Rec(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            if logs and "loss" in logs:
+                losses.append(logs["loss"])
+
+    args = LazyTrainingArguments(
+        output_dir=str(tmp_path / f"out{stream}{bf16}"),
+        per_device_train_batch_size=4,
+        max_steps=4,
+        learning_rate=5e-3,
+        logging_steps=1,
+        report_to=[],
+        use_cpu=True,
+        seed=3,
+        data_seed=3,
+        save_strategy="no",
+        stream_enabled=stream,
+        optim_hybrid_8bit=True,
+        planner_policy="default",
+        bf16=bf16,
+    )
+    tr = LazyTrainer(model=tiny_model("qwen3", seed=1), args=args, train_dataset=token_dataset(), callbacks=[Rec()])
+    if look is not None:
+        tr.add_callback(look(tr))
+    tr.train()
+    return losses, tr
+
+
+def test_bf16_means_a_bf16_compute_copy_with_fp32_masters(tmp_path):
+    """`bf16=True` on an fp32-loaded model: bf16 compute on the device (bf16 compute copy and resident weights),
+    fp32 masters on the host, the model fp32 again after train() with the trained masters; losses follow Trainer's
+    bf16 autocast run within 1e-3 relative over 4 steps (bf16 weights and residual stream vs autocast's per-op
+    casts of fp32 weights) and are not the fp32 run's."""
+    seen: dict = {}
+
+    def look(tr):
+        class Look(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                h = tr.stream_handle
+                seen["compute"] = {e.dtype for ls in h.store.layers.values() for e in ls.entries}
+                seen["master"] = {ls.master.dtype for ls in h.store.layers.values() if ls.master is not None}
+                seen["resident"] = {p.dtype for _, p in h.resident_parameters()}
+
+            def on_train_end(self, args, state, control, **kwargs):
+                tr._updater.wait_all()
+                seen["masters"] = {n: m.detach().clone() for n, m in tr._updater.named_masters()}
+
+        return Look()
+
+    bf16, tr = _bf16_run(tmp_path, stream=True, bf16=True, look=look)
+    assert seen["compute"] == {torch.bfloat16} and seen["master"] == {torch.float32}
+    assert seen["resident"] == {torch.bfloat16}
+    params = dict(tr.model.named_parameters())
+    assert {p.dtype for p in params.values()} == {torch.float32}
+    bad = [n for n, m in seen["masters"].items() if not torch.equal(params[n].detach(), m)]
+    assert not bad, f"after train() these parameters are not their fp32 masters: {bad[:5]}"
+    fp32, _ = _bf16_run(tmp_path, stream=True, bf16=False)
+    autocast, _ = _bf16_run(tmp_path, stream=False, bf16=True)
+    print("bf16 streamed", bf16, "Trainer bf16 autocast", autocast, "fp32 streamed", fp32)
+    assert bf16 != fp32
+    assert bf16 == pytest.approx(autocast, rel=1e-3), (bf16, autocast, fp32)

@@ -126,6 +126,7 @@ class ParameterBinder:
                     lp.kind,
                     [(self._names[id(p)], p) for p in streamed],
                     resident_trainable=[self._names[id(p)] for p in trainable] if keep_train_resident else [],
+                    compute_dtype=self.compute_dtype,
                 )
                 streamed_ids.update(id(p) for p in streamed)
             self._layers.append(_LayerState(i, layer, lp.kind, ls, bool(lp.resident), {id(p): p for p in trainable}))
@@ -166,14 +167,20 @@ class ParameterBinder:
                     self.engine.copy_in(st.slot, st.store.compute_bytes, st.index)
                     self._bind(st.index)
             self._resident: list[tuple[str, nn.Parameter, torch.device]] = []
+            # Note: [A bf16 compute copy of an fp32 model]: the fp32 values of resident parameters cast to the
+            # compute dtype; the optimizer keeps them as its masters (`resident_fp32`) and `remove()` puts them back
+            self.resident_fp32: dict[str, torch.Tensor] = {}
             for n, p in model.named_parameters():
                 if id(p) in streamed_ids:
                     continue
                 self._resident.append((n, p, p.device))
-                if p.device != device:
-                    p.data = p.data.to(device)
+                cast = self.compute_dtype is not None and p.dtype == torch.float32
+                if cast:
+                    self.resident_fp32[n] = p.data.detach().to("cpu")  # the original tensor on the CPU
+                if p.device != device or cast:
+                    p.data = p.data.to(device, self.compute_dtype if cast else p.dtype)
                     if p.grad is not None:
-                        p.grad = p.grad.to(device)
+                        p.grad = None
             self._buffers: list[tuple[nn.Module, str, torch.Tensor]] = []
             for mod in model.modules():
                 for bn, b in list(mod._buffers.items()):
@@ -281,12 +288,17 @@ class ParameterBinder:
                     continue
                 for e in st.store.entries:
                     src = st.store.compute_views[e.name]
-                    e.param.data = src.to(e.orig_device, copy=True)
+                    if e.orig_dtype is not None and e.trainable:
+                        src = st.store.master_views[e.name]  # Note: [A bf16 compute copy of an fp32 model]
+                    e.param.data = src.to(e.orig_device, e.orig_dtype or e.dtype, copy=True)
                     e.param.grad = None
                 st.slot = None
                 st.bound = False
-            for _, p, dev in self._resident:
-                if p.device != dev:
+            for n, p, dev in self._resident:
+                if n in self.resident_fp32:
+                    p.data = self.resident_fp32[n].to(dev)
+                    p.grad = None
+                elif p.device != dev:
                     p.data = p.data.to(dev)
                     if p.grad is not None:
                         p.grad = p.grad.to(dev)

@@ -96,12 +96,14 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         activation_engine: Any | None,
         nvme_dir: str | None,
         pin_memory: bool | None,
+        compute_dtype: torch.dtype | None = None,
     ):
         self.model = model
         self.root = hf_root(model)
         self.spec = models.get_spec(self.root)
         self.plan = plan
         self.device = device
+        self.compute_dtype = compute_dtype  # Note: [A bf16 compute copy of an fp32 model]
         self.is_cuda = device.type == "cuda"
         pin = self.is_cuda if pin_memory is None else bool(pin_memory)
         self.store = HostStore(pin_memory=pin)
@@ -406,6 +408,7 @@ def attach(
     activation_engine: Any | None = None,
     nvme_dir: str | None = None,
     pin_memory: bool | None = None,
+    compute_dtype: torch.dtype | None = None,
 ) -> StreamHandle:
     """Install the layer-streaming executor on a HF causal-LM model (or a PEFT wrapper of one).
 
@@ -418,6 +421,14 @@ def attach(
             (`lazytrain_hf.activations.ActivationEngine` for the plan's policies).
         nvme_dir: directory for activations the plan offloads to NVMe.
         pin_memory: pin the host store; default: on CUDA only.
+        compute_dtype: ``torch.bfloat16`` to compute with a bf16 copy of an fp32 model (``bf16=True``).
+
+            Note: [A bf16 compute copy of an fp32 model]
+                Every fp32 parameter is computed in bf16: the host store's compute copy (what slots receive) and
+                resident parameters on the device are bf16, the fp32 masters are the parameters' own fp32 values
+                (streamed: the store's master; resident: `StreamHandle.resident_fp32`), and `remove()` gives each
+                trainable parameter its fp32 master back (a frozen one its bf16 value in fp32). The model then runs
+                as a bf16-loaded model does, with fp32 masters for the optimizer.
 
     Returns:
         The `StreamHandle`; ``handle.remove()`` restores the model.
@@ -471,6 +482,11 @@ def attach(
             "attach(pin_memory=True) without a CUDA device: pinned memory needs CUDA; ignored.", stacklevel=2
         )
         pin_memory = False
-    handle = StreamHandle(model, plan, dev, activation_engine, nvme_dir, pin_memory)
+    if compute_dtype not in (None, torch.bfloat16):
+        raise ValueError(
+            f"attach(compute_dtype={compute_dtype!r}): only torch.bfloat16 (or None: each parameter's own dtype) is "
+            "supported."
+        )
+    handle = StreamHandle(model, plan, dev, activation_engine, nvme_dir, pin_memory, compute_dtype)
     _ATTACHED.add(model)
     return handle

@@ -42,6 +42,7 @@ class ParamEntry:
     byte_offset: int  # offset in the compute byte buffer and in the device slot
     elem_offset: int  # offset (elements) in the fp32 master / grad buffers; -1 for frozen parameters
     orig_device: torch.device
+    orig_dtype: torch.dtype | None = None  # the parameter's dtype before attach when the compute copy differs
 
     @property
     def numel(self) -> int:
@@ -157,16 +158,23 @@ class HostStore:
         kind: str,
         streamed: list[tuple[str, nn.Parameter]],
         resident_trainable: list[str] | None = None,
+        compute_dtype: torch.dtype | None = None,
     ) -> LayerStore:
         """Copy the given parameters of one layer into new flat host buffers.
 
         The parameters themselves are not modified here (the executor rebinds ``param.data`` afterwards).
         Trainable parameters are placed first so that master, grad and compute copy share element offsets.
+        ``compute_dtype``: the compute copy of fp32 parameters in this dtype (bf16 training of an fp32 model: the
+        fp32 master keeps the parameter's own values).
         """
         ordered = [(n, p) for n, p in streamed if p.requires_grad] + [
             (n, p) for n, p in streamed if not p.requires_grad
         ]
-        dtypes = {p.dtype for _, p in ordered}
+
+        def dtype_of(p: nn.Parameter) -> torch.dtype:
+            return compute_dtype if compute_dtype is not None and p.dtype == torch.float32 else p.dtype
+
+        dtypes = {dtype_of(p) for _, p in ordered}
         single = next(iter(dtypes)) if len(dtypes) == 1 else None
         entries: list[ParamEntry] = []
         elem = 0  # next free element in the fp32 master / grad buffers (and, for one dtype, the compute copy)
@@ -180,14 +188,23 @@ class HostStore:
                 elem += p.numel()
             else:
                 b_off = byte = _align(byte)
-                byte += p.numel() * p.dtype.itemsize
+                byte += p.numel() * dtype_of(p).itemsize
                 e_off = -1
                 if p.requires_grad:
                     e_off = elem = _align(elem, ALIGN_BYTES // 4)
                     elem += p.numel()
+            dt = dtype_of(p)
             entries.append(
                 ParamEntry(
-                    name, p, p.shape, p.dtype, p.requires_grad, b_off, e_off if p.requires_grad else -1, p.device
+                    name,
+                    p,
+                    p.shape,
+                    dt,
+                    p.requires_grad,
+                    b_off,
+                    e_off if p.requires_grad else -1,
+                    p.device,
+                    p.dtype if dt != p.dtype else None,
                 )
             )
         if single is not None:

@@ -100,7 +100,8 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
         if a.planner_hardware == "auto"
         else hardware.get_profile(a.planner_hardware)
     )
-    dtype_bytes = 4 if next(base.parameters()).dtype == torch.float32 else 2
+    # bf16=True computes an fp32 model with a bf16 copy (Note: [A bf16 compute copy of an fp32 model], hooks.py)
+    dtype_bytes = 4 if next(base.parameters()).dtype == torch.float32 and not a.bf16 else 2
     attn = attention_cost_class(config)
     common = dict(loss_chunk_tokens=a.stream_loss_chunk_tokens, attn_implementation=attn)
     measured = None
@@ -206,13 +207,16 @@ def check_plan_fits(
         )
 
 
-def check_host_memory(plan, model: torch.nn.Module, hybrid_8bit: bool) -> None:
+def check_host_memory(
+    plan, model: torch.nn.Module, hybrid_8bit: bool, compute_dtype: torch.dtype | None = None
+) -> None:
     """Refuse a run whose host store, optimizer state (8-bit moments with ``hybrid_8bit``, else fp32) and pinned
-    activation buffers would not fit in the host memory available now, with the numbers and what would fit."""
+    activation buffers would not fit in the host memory available now, with the numbers and what would fit.
+    ``compute_dtype``: the compute copy's dtype when it is not the parameters' own (``bf16=True``)."""
     params = list(model.parameters())
     n_train = sum(p.numel() for p in params if p.requires_grad)
     n_all = sum(p.numel() for p in params)
-    dtype = params[0].dtype if params else torch.float32
+    dtype = compute_dtype or (params[0].dtype if params else torch.float32)
     master = 0 if dtype == torch.float32 else 4 * n_train  # fp32 compute copies are the master (aliased)
     grads = 4 * n_train
     optim = 2 * n_train if hybrid_8bit else 8 * n_train

@@ -64,7 +64,10 @@ class LayerwiseUpdater:
         self.resident: list[tuple[str, torch.nn.Parameter, torch.Tensor]] = []
         for name, p in handle.resident_parameters():
             direct = p.device.type == "cpu" and p.dtype == torch.float32
-            self.resident.append((name, p, p.detach() if direct else p.detach().to("cpu", torch.float32).clone()))
+            master = handle.resident_fp32.get(name)  # Note: [A bf16 compute copy of an fp32 model] in hooks.py
+            if master is None:
+                master = p.detach() if direct else p.detach().to("cpu", torch.float32).clone()
+            self.resident.append((name, p, master))
         self._aliased = {id(m) for _, p, m in self.resident if m.data_ptr() == p.data_ptr()}
         # Note: [The compute copy is written in the fused pass]: per layer, its bf16 compute views (or None)
         self._outs: dict[int, list[torch.Tensor] | None] = {}
