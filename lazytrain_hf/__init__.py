@@ -33,8 +33,12 @@ _LAZY = {
     "Plan": "lazytrain_hf.planner.plan",
     "LayerPlan": "lazytrain_hf.planner.plan",
     "HybridAdamW8bit": "lazytrain_hf.optim",
+    # the `trl` extra (pip install 'lazytrain-hf[trl]'); importing them without trl raises an ImportError saying so
+    "LazySFTConfig": "lazytrain_hf.trl",
+    "LazySFTTrainer": "lazytrain_hf.trl",
 }
 
+# LazySFTConfig / LazySFTTrainer are left out: `from lazytrain_hf import *` must work without trl installed
 __all__ = ["HybridAdamW8bit", "LayerPlan", "LazyTrainer", "LazyTrainingArguments", "Plan"]
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -42,6 +46,8 @@ if TYPE_CHECKING:  # pragma: no cover
     from .optim import HybridAdamW8bit
     from .planner.plan import LayerPlan, Plan
     from .trainer import LazyTrainer
+    from .trl import LazySFTConfig as LazySFTConfig  # re-exported (not in __all__, see above)
+    from .trl import LazySFTTrainer as LazySFTTrainer
 
 
 def __getattr__(name: str) -> Any:
