@@ -3,8 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
+import math
+import numbers
 import os
+import types
+import typing
 from dataclasses import dataclass, field
+from typing import Any
 
 from transformers import TrainingArguments
 
@@ -54,8 +60,11 @@ class LazyTrainingArguments(TrainingArguments):
     > Activations (`lazytrain_hf.activations`)
 
     activation_tiers (`list[str]`, defaults to `["gpu", "cpu"]`): where saved activations may live: `gpu` (keep),
-        `cpu` (pinned host), `nvme` (spill files). Recomputation is always allowed.
-    activation_nvme_dir (`str`, *optional*): directory for NVMe spill files; required when `nvme` is a tier.
+        `cpu` (pinned host), `nvme` (spill files). Recomputation is always allowed, its input on one of these tiers;
+        without `gpu` the last layer, whose backward follows its forward directly, is recomputed from its input left
+        on the device (a spill could not be read back in time).
+    activation_nvme_dir (`str`, *optional*): an existing, writable directory for NVMe spill files; required when
+        `nvme` is a tier.
 
     > Optimizer (`lazytrain_hf.optim`)
 
@@ -67,6 +76,12 @@ class LazyTrainingArguments(TrainingArguments):
         (layer i is fetched as soon as it is updated). Default: on with CUDA when the plan allows it.
 
     Changed `TrainingArguments` defaults: none. `max_grad_norm` is honoured through fused clipping when streaming.
+    With streaming (or `optim_hybrid_8bit=True`) the optimizer is `HybridAdamW8bit` (`learning_rate`, `weight_decay`,
+    `adam_beta1`, `adam_beta2`, `adam_epsilon` apply), so `optim` must stay at its default; `fp16` is refused
+    (use `bf16`).
+
+    Any `TrainingArguments` subclass (e.g. `Seq2SeqTrainingArguments`) is upgraded by `from_training_arguments` to
+    a class deriving from both, keeping its own fields.
     """
 
     # ----------------------------------------------------------------- streaming
@@ -123,7 +138,8 @@ class LazyTrainingArguments(TrainingArguments):
         metadata={"help": "Tiers saved activations may use: gpu, cpu, nvme (recompute is always allowed)."},
     )
     activation_nvme_dir: str | None = field(
-        default=None, metadata={"help": "Directory for NVMe activation spill files (needed for the nvme tier)."}
+        default=None,
+        metadata={"help": "Existing, writable directory for NVMe activation spill files (needed for the nvme tier)."},
     )
 
     # ----------------------------------------------------------------- optimizer
@@ -142,6 +158,8 @@ class LazyTrainingArguments(TrainingArguments):
 
     def __post_init__(self):
         super().__post_init__()
+        # ---- types: HfArgumentParser converts the command line, Python callers can pass anything
+        self._check_types()
         # ---- cross-field checks: each error names the option, the value and the fix
         if self.stream_prefetch_depth < 0:
             raise ValueError(f"stream_prefetch_depth={self.stream_prefetch_depth} must be >= 0 (1 is a good default).")
@@ -155,6 +173,7 @@ class LazyTrainingArguments(TrainingArguments):
             raise ValueError(f"planner_solver={self.planner_solver!r} is not supported; use one of {SOLVERS}.")
         if not self.planner_hardware:
             raise ValueError("planner_hardware='' is empty; pass a profile name, a JSON path or 'auto'.")
+        check_hardware(self.planner_hardware)
         self.planner_gpu_budget = parse_bytes(self.planner_gpu_budget, "planner_gpu_budget")
         self.planner_host_budget = parse_bytes(self.planner_host_budget, "planner_host_budget")
         if self.planner_time_limit <= 0:
@@ -169,9 +188,19 @@ class LazyTrainingArguments(TrainingArguments):
             self.planner_plan = resolve_plan_path(self.planner_plan)
 
         # "gpu,cpu", ["gpu,cpu"] and ["gpu", "cpu"] all mean the same (the command line gives the middle form)
+        if not isinstance(self.activation_tiers, str | list | tuple):
+            raise ValueError(
+                f"activation_tiers={self.activation_tiers!r} must be a list of tiers, e.g. activation_tiers=['gpu', "
+                "'cpu'] (or the string 'gpu,cpu')."
+            )
         tiers = [self.activation_tiers] if isinstance(self.activation_tiers, str) else list(self.activation_tiers)
         self.activation_tiers = [t.strip() for item in tiers for t in str(item).split(",") if t.strip()]
         bad = [t for t in self.activation_tiers if t not in INPUT_TIERS]
+        if not self.activation_tiers:
+            raise ValueError(
+                f"activation_tiers={tiers!r} names no tier; pass at least one of {', '.join(INPUT_TIERS)} (the "
+                "default is ['gpu', 'cpu'])."
+            )
         if bad:
             raise ValueError(
                 f"activation_tiers={self.activation_tiers!r}: unknown tier {bad[0]!r}; allowed tiers are "
@@ -183,7 +212,7 @@ class LazyTrainingArguments(TrainingArguments):
                 "activation_nvme_dir=/path/on/nvme or drop 'nvme' from activation_tiers."
             )
         if self.activation_nvme_dir is not None:
-            self.activation_nvme_dir = os.path.abspath(os.path.expanduser(self.activation_nvme_dir))
+            self.activation_nvme_dir = check_nvme_dir(self.activation_nvme_dir)
 
         # the optimizer's own limits (HybridAdamW8bit checks the same), so a bad value fails here, not at step 1
         if not 16 <= self.optim_block_size <= 4096 or self.optim_block_size & (self.optim_block_size - 1):
@@ -199,10 +228,52 @@ class LazyTrainingArguments(TrainingArguments):
                 "HybridAdamW8bit over the host fp32 masters; leave optim_hybrid_8bit on, or set stream_enabled=False "
                 "to train with another optimizer."
             )
+        hybrid = self.stream_enabled if self.optim_hybrid_8bit is None else self.optim_hybrid_8bit
+        default_optim = _value_of(_field_default(type(self), "optim"))
+        if hybrid and _value_of(self.optim) != default_optim:
+            cause, off = (
+                ("stream_enabled=True", "set stream_enabled=False")
+                if self.stream_enabled
+                else ("optim_hybrid_8bit=True", "leave optim_hybrid_8bit unset")
+            )
+            raise ValueError(
+                f"optim={_value_of(self.optim)!r} with {cause}: the model is updated by HybridAdamW8bit (tuned by "
+                "optim_block_size, optim_min_8bit_size and optim_overlap_forward; learning_rate, weight_decay, "
+                f"adam_beta1, adam_beta2 and adam_epsilon apply), which would silently replace it; leave optim at "
+                f"its default ({default_optim!r}), or {off} to train with optim={_value_of(self.optim)!r}."
+            )
+        if self.stream_enabled and self.fp16:
+            raise ValueError(
+                "fp16=True with stream_enabled=True: streaming has no fp16 loss scaling (the grad scaler fails at "
+                "the first step); use bf16=True for mixed precision (supported), or set stream_enabled=False to "
+                "train in fp16 with the plain Trainer."
+            )
 
         # ---- derived defaults
         if self.optim_hybrid_8bit is None:
             self.optim_hybrid_8bit = bool(self.stream_enabled)
+
+    def _check_types(self) -> None:
+        """Refuse a LazyTrain number or flag of the wrong type (a bool is not an int here), and normalise numbers
+        to the annotated type (``planner_time_limit=5`` -> ``5.0``, a numpy integer -> int)."""
+        for name, (kinds, default) in _typed_fields().items():
+            value = getattr(self, name)
+            if value is None and type(None) in kinds:
+                continue
+            optional = " or None (the default)" if type(None) in kinds else ""
+            example = default if default is not None else True
+            if bool in kinds:
+                ok, what = isinstance(value, bool), f"a bool (True or False){optional}"
+            elif int in kinds:
+                ok, what = isinstance(value, numbers.Integral) and not isinstance(value, bool), f"an int{optional}"
+                value = int(value) if ok else value
+            else:
+                ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+                what = f"a finite number{optional}"
+                value = float(value) if ok else value
+            if not ok:
+                raise ValueError(f"{name}={value!r} must be {what}; pass e.g. {name}={example!r}.")
+            setattr(self, name, value)
 
     def __getstate__(self) -> dict:
         """Pickled without the hub token: Trainer writes `torch.save(args)` as `training_args.bin` into every
@@ -214,13 +285,143 @@ class LazyTrainingArguments(TrainingArguments):
 
     @classmethod
     def from_training_arguments(cls, args: TrainingArguments, **overrides) -> LazyTrainingArguments:
-        """Upgrade a plain `TrainingArguments` (every field it set is kept) to `LazyTrainingArguments`."""
+        """Upgrade any `TrainingArguments` (every field it set is kept) to `LazyTrainingArguments`.
+
+        A plain `TrainingArguments` becomes ``cls``; an object of another subclass (`Seq2SeqTrainingArguments`,
+        trl's `SFTConfig`, ...) becomes an object of a dataclass deriving from both its class and ``cls`` (made
+        once per class, see `upgraded_class`), so its own fields and checks are kept and ``isinstance`` holds for
+        both. ``overrides`` set fields on the way (e.g. ``stream_enabled=False``).
+        """
         if isinstance(args, cls) and not overrides:
             return args
+        target = upgraded_class(type(args), cls)
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and hasattr(args, f.name)}
         # TrainingArguments.__post_init__ rewrites some fields (enums, derived paths); re-run it from the originals.
         values.update(overrides)
-        return cls(**_originals(args, values))
+        return target(**_originals(args, values))
+
+
+_UPGRADED: dict[tuple[type, type], type] = {}  # (user's TrainingArguments subclass, LazyTrainingArguments class)
+
+
+def upgraded_class(base: type, lazy: type = LazyTrainingArguments) -> type:
+    """The class `LazyTrainingArguments.from_training_arguments` gives an object of class ``base``.
+
+    ``lazy`` itself when ``base`` is one of its bases (plain `TrainingArguments`), ``base`` when it already derives
+    from ``lazy``, else ``@dataclass class Lazy<Base>(base, lazy)``, made once per pair. In that class the fields of
+    ``base`` keep ``base``'s defaults (dataclass fields are collected along the reversed MRO, so the first base wins
+    for a field both define: the `TrainingArguments` fields ``base`` re-declares) and the LazyTrain fields keep
+    ``lazy``'s; ``__post_init__`` is the cooperative chain ``base`` -> ``lazy`` -> `TrainingArguments`, so each
+    validation runs once. It pickles by reference to ``base`` and ``lazy`` (Trainer writes ``training_args.bin``).
+    """
+    if not (isinstance(base, type) and issubclass(base, TrainingArguments)):
+        raise TypeError(f"args of type {base!r} is not a TrainingArguments; pass a TrainingArguments (or subclass).")
+    if issubclass(base, lazy):
+        return base
+    if issubclass(lazy, base):
+        return lazy
+    key = (base, lazy)
+    if key not in _UPGRADED:
+        name = f"Lazy{base.__name__}"
+        namespace = {
+            "__module__": __name__,
+            "__qualname__": name,
+            "__doc__": f"`{base.__name__}` with the `{lazy.__name__}` fields (made by `upgraded_class`).",
+            "__reduce__": _reduce_upgraded,
+            "_upgraded_from": key,
+        }
+        _UPGRADED[key] = dataclass(type(name, (base, lazy), namespace))
+    return _UPGRADED[key]
+
+
+def _reduce_upgraded(self) -> tuple:
+    return _rebuild_upgraded, (*type(self)._upgraded_from, self.__getstate__())
+
+
+def _rebuild_upgraded(base: type, lazy: type, state: dict) -> Any:
+    cls = upgraded_class(base, lazy)
+    obj = cls.__new__(cls)
+    obj.__dict__.update(state)
+    return obj
+
+
+@functools.cache
+def _typed_fields() -> dict[str, tuple[frozenset, Any]]:
+    """The bool / int / float fields `LazyTrainingArguments` adds to `TrainingArguments` (optionally None), as
+    ``{name: (types, default)}``. Read from the resolved annotations: `HfArgumentParser` rewrites ``Field.type``
+    in place, so the field's own annotation may be a string or a type."""
+    hints = typing.get_type_hints(LazyTrainingArguments)
+    base = {f.name for f in dataclasses.fields(TrainingArguments)}
+    out = {}
+    for f in dataclasses.fields(LazyTrainingArguments):
+        hint = hints[f.name]
+        union = typing.get_origin(hint) in (typing.Union, types.UnionType)
+        kinds = frozenset(typing.get_args(hint) if union else (hint,))
+        if f.name not in base and kinds <= {bool, int, float, type(None)}:
+            out[f.name] = (kinds, f.default)
+    return out
+
+
+def _field_default(cls: type, name: str) -> Any:
+    f = {f.name: f for f in dataclasses.fields(cls)}[name]
+    return f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+
+
+def _value_of(value: Any) -> Any:
+    """An ExplicitEnum (``OptimizerNames.SGD``) as its string, anything else as is."""
+    return value.value if hasattr(value, "value") and value.__class__.__module__.startswith("transformers") else value
+
+
+def check_hardware(value: Any) -> None:
+    """ValueError naming ``planner_hardware`` unless ``value`` is ``"auto"``, a bundled profile name or a profile
+    JSON that exists and parses (positive, finite numbers), checked here so a typo fails at construction, not at
+    `train()`. Only `lazytrain_hf.planner.hardware` is imported (no Trainer, no torch)."""
+    from .planner.hardware import BUNDLED_PROFILES, get_profile
+
+    names = ", ".join(BUNDLED_PROFILES)
+    if not isinstance(value, str):
+        raise ValueError(
+            f"planner_hardware={value!r} must be a string: a bundled profile name ({names}), the path of a profile "
+            "JSON, or 'auto'."
+        )
+    if value == "auto" or value.lower() in BUNDLED_PROFILES:
+        return
+    if not (value.endswith(".json") or os.path.sep in value):
+        raise ValueError(
+            f"planner_hardware={value!r} is not a bundled profile; use one of {names}, the path of a profile JSON "
+            "written by `lazytrain_hf.planner.hardware.measure(cache_path=...)`, or 'auto' to measure this machine."
+        )
+    try:
+        get_profile(value)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"planner_hardware={value!r}: {e} ('auto' measures this machine instead.)") from e
+
+
+def check_nvme_dir(path: Any) -> str:
+    """``activation_nvme_dir`` as an absolute path; ValueError naming it unless it is an existing, writable
+    directory (the spill files are created there at `train()`)."""
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} must be the path of a directory on a fast local disk, e.g. "
+            "activation_nvme_dir='/scratch/lazytrain'."
+        )
+    resolved = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.exists(resolved) and not os.path.isdir(resolved):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} is not a directory; pass a directory on a fast local disk for the spill "
+            "files."
+        )
+    if not os.path.isdir(resolved):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} does not exist; create it (mkdir -p {resolved}) or pass another directory "
+            "on a fast local disk."
+        )
+    if not os.access(resolved, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} is not writable by this process; fix its permissions or pass a directory "
+            "you can write to."
+        )
+    return resolved
 
 
 def resolve_plan_path(path: str) -> str:
@@ -252,9 +453,4 @@ def resolve_plan_path(path: str) -> str:
 
 def _originals(args: TrainingArguments, values: dict) -> dict:
     """Undo the normalisations `TrainingArguments.__post_init__` applied, so re-running it is idempotent."""
-    out = {}
-    for name, value in values.items():
-        if hasattr(value, "value") and value.__class__.__module__.startswith("transformers"):
-            value = value.value  # ExplicitEnum -> its string
-        out[name] = value
-    return out
+    return {name: _value_of(value) for name, value in values.items()}

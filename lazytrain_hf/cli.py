@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .units import format_bytes, parse_bytes
+
+if TYPE_CHECKING:
+    from .planner.hardware import HardwareProfile
 
 
 def _budget(option: str) -> Callable[[str], int]:
@@ -26,6 +30,28 @@ def _budget(option: str) -> Callable[[str], int]:
             raise argparse.ArgumentTypeError(str(e)) from e
 
     return parse
+
+
+def _output_path(flag: str, example: str) -> Callable[[str], str]:
+    """A file the command will write, checked when the arguments are parsed, so a bad path fails before the solve."""
+
+    def check(text: str) -> str:
+        path = os.path.abspath(os.path.expanduser(text))
+        parent = os.path.dirname(path)
+        if os.path.isdir(path):
+            problem, fix = "is a directory", f"name a file in it, e.g. {flag} {os.path.join(text, example)}"
+        elif not os.path.isdir(parent):
+            problem, fix = (
+                f"its directory {parent} does not exist",
+                f"create it (mkdir -p {parent}) or pick another path",
+            )
+        elif not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(path, os.W_OK)):
+            problem, fix = "is not writable by this process", "pick a path you can write to"
+        else:
+            return text
+        raise argparse.ArgumentTypeError(f"{flag}={text!r}: {problem}; {fix}.")
+
+    return check
 
 
 def _tiers(text: str) -> tuple[str, ...]:
@@ -52,7 +78,12 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--tiers", type=_tiers, default=("gpu", "cpu"), help="where activations may live, e.g. gpu,cpu,nvme"
     )
-    p.add_argument("--timeline", default=None, help="write the simulated timeline PNG here")
+    p.add_argument(
+        "--timeline",
+        type=_output_path("--timeline", "timeline.png"),
+        default=None,
+        help="write the simulated timeline PNG here",
+    )
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
 
 
@@ -69,7 +100,7 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--time-limit", type=float, default=30.0, help="MILP solver seconds")
     p.add_argument("--gap", type=float, default=0.01, help="relative MIP gap")
     p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
-    p.add_argument("--save", default=None, help="write the plan JSON here")
+    p.add_argument("--save", type=_output_path("--save", "plan.json"), default=None, help="write the plan JSON here")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="replay a saved plan JSON on a hardware profile")
@@ -94,15 +125,32 @@ def _validate_common(args: argparse.Namespace) -> None:
         raise ValueError(f"--batch-size={args.batch_size} must be >= 1.")
 
 
+def _profile(args: argparse.Namespace) -> HardwareProfile:
+    """The ``--hardware`` profile (its numbers checked: positive and finite, so a NaN never reaches the solver) and
+    ``--gpu-budget`` checked against its device memory."""
+    from .planner.hardware import get_profile
+
+    try:
+        hw = get_profile(args.hardware)
+    except (ValueError, TypeError) as e:
+        raise ValueError(f"--hardware={args.hardware!r}: {e}") from e
+    if args.gpu_budget is not None and args.gpu_budget > hw.device_memory_bytes:
+        mem = format_bytes(hw.device_memory_bytes)
+        raise ValueError(
+            f"--gpu-budget={format_bytes(args.gpu_budget)} is more than the device memory of {hw.name} ({mem}); pass "
+            f"at most --gpu-budget {mem} (or leave it out: 90% of it), or the --hardware profile of your device."
+        )
+    return hw
+
+
 def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import baselines as bl
     from .planner import milp
     from .planner.costmodel import CostModel
-    from .planner.hardware import get_profile
     from .planner.simulate import draw_timeline, simulate
 
     _validate_common(args)
-    hw = get_profile(args.hardware)
+    hw = _profile(args)
     gpu = args.gpu_budget or hw.default_gpu_budget()
     host = hw.default_host_budget() if args.host_budget is None else args.host_budget
     with warnings.catch_warnings(record=True) as caught:
@@ -183,13 +231,12 @@ def cmd_plan(args: argparse.Namespace) -> int:
 def cmd_simulate(args: argparse.Namespace) -> int:
     from .planner import milp
     from .planner.costmodel import CostModel
-    from .planner.hardware import get_profile
     from .planner.plan import Plan
     from .planner.simulate import draw_timeline, simulate
 
     _validate_common(args)
+    hw = _profile(args)
     plan = Plan.from_json(args.plan)
-    hw = get_profile(args.hardware)
     cfg, name = milp._resolve_config(args.model)
     cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=name)
     plan.validate(cm.num_layers)

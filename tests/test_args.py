@@ -1,7 +1,11 @@
 from __future__ import annotations
 
+import dataclasses
+import pickle
+from typing import ClassVar
+
 import pytest
-from transformers import TrainingArguments
+from transformers import Seq2SeqTrainingArguments, TrainingArguments
 
 from lazytrain_hf.args import LazyTrainingArguments
 from lazytrain_hf.units import format_bytes, parse_bytes
@@ -78,11 +82,11 @@ def test_upgrade_keeps_every_field():
     plain = TrainingArguments(
         output_dir="o", learning_rate=3e-4, lr_scheduler_type="cosine", max_steps=7, seed=11, report_to=[],
         gradient_accumulation_steps=3, weight_decay=0.1, logging_steps=2,
-    )
+    )  # fmt: skip
     up = LazyTrainingArguments.from_training_arguments(plain)
     assert isinstance(up, LazyTrainingArguments)
     for name in ("output_dir", "learning_rate", "max_steps", "seed", "gradient_accumulation_steps", "weight_decay",
-                 "logging_steps", "lr_scheduler_type", "optim"):
+                 "logging_steps", "lr_scheduler_type", "optim"):  # fmt: skip
         assert getattr(up, name) == getattr(plain, name), name
     assert up.stream_enabled is True
 
@@ -110,7 +114,172 @@ def test_hf_argument_parser_round_trip():
     (a,) = HfArgumentParser(LazyTrainingArguments).parse_args_into_dataclasses(
         ["--output_dir", "o", "--planner_gpu_budget", "24GiB", "--activation_tiers", "gpu", "cpu",
          "--stream_enabled", "false", "--report_to", "none"]
-    )
+    )  # fmt: skip
     assert a.planner_gpu_budget == 24 * 2**30
     assert a.activation_tiers == ["gpu", "cpu"]
     assert a.stream_enabled is False
+
+
+# ---------------------------------------------------------------------------------------- refused at construction
+def _profile_json(tmp_path, text: str | None = None, **changes) -> str:
+    """A profile JSON: the bundled h800 with ``changes`` (json writes float('nan') as NaN), or ``text`` as is."""
+    import json
+
+    from lazytrain_hf.planner.hardware import get_profile
+
+    path = tmp_path / "hw.json"
+    path.write_text(text if text is not None else json.dumps({**get_profile("h800").to_dict(), **changes}))
+    return str(path)
+
+
+def _regular_file(tmp_path) -> str:
+    path = tmp_path / "a_file"
+    path.write_text("")
+    return str(path)
+
+
+@pytest.mark.parametrize(
+    "kw,words",
+    [
+        # planner_hardware: a bundled name, "auto" or a profile JSON that exists and parses
+        (dict(planner_hardware="h999"), ["planner_hardware='h999'", "h800", "'auto'"]),
+        (lambda t: dict(planner_hardware=str(t / "missing.json")), ["planner_hardware=", "missing.json", "measure"]),
+        (lambda t: dict(planner_hardware=_profile_json(t, peak_tflops=float("nan"))), ["planner_hardware=", "nan"]),
+        (lambda t: dict(planner_hardware=_profile_json(t, h2d_gbps=-1.0)), ["planner_hardware=", "h2d_gbps=-1.0"]),
+        (lambda t: dict(planner_hardware=_profile_json(t, nvme_capacity_bytes=float("nan"))), ["nvme_capacity"]),
+        (lambda t: dict(planner_hardware=_profile_json(t, text="{")), ["planner_hardware=", "not valid JSON"]),
+        (lambda t: dict(planner_hardware=_profile_json(t, text="[1, 2]")), ["planner_hardware=", "JSON object"]),
+        (dict(planner_hardware=7), ["planner_hardware=7"]),
+        (dict(activation_tiers=5), ["activation_tiers=5", "list"]),
+        (dict(activation_tiers=[]), ["activation_tiers=[]", "gpu, cpu, nvme"]),
+        # activation_nvme_dir: an existing, writable directory
+        (dict(activation_nvme_dir="/proc/nope"), ["activation_nvme_dir='/proc/nope'", "mkdir -p"]),
+        (lambda t: dict(activation_nvme_dir=_regular_file(t)), ["activation_nvme_dir=", "not a directory"]),
+        (dict(activation_nvme_dir=5), ["activation_nvme_dir=5", "path"]),
+        # types: HfArgumentParser converts, Python callers can pass anything
+        (dict(stream_prefetch_depth=1.5), ["stream_prefetch_depth=1.5", "int"]),
+        (dict(stream_prefetch_depth=True), ["stream_prefetch_depth=True", "int"]),
+        (dict(stream_enabled="yes"), ["stream_enabled='yes'", "bool", "True or False"]),
+        (dict(stream_embeddings=1), ["stream_embeddings=1", "bool"]),
+        (dict(stream_loss_chunk_tokens=True), ["stream_loss_chunk_tokens=True", "int"]),
+        (dict(planner_time_limit="30"), ["planner_time_limit='30'", "number"]),
+        (dict(planner_time_limit=float("nan")), ["planner_time_limit=nan"]),
+        (dict(planner_mip_gap=False), ["planner_mip_gap=False", "number"]),
+        (dict(planner_auto_batch_size="no"), ["planner_auto_batch_size='no'", "bool"]),
+        (dict(planner_max_batch_size=8.0), ["planner_max_batch_size=8.0", "int"]),
+        (dict(planner_warmup_steps=None), ["planner_warmup_steps=None", "int"]),
+        (dict(optim_block_size=256.0), ["optim_block_size=256.0", "int"]),
+        (dict(optim_min_8bit_size="4096"), ["optim_min_8bit_size='4096'", "int"]),
+        (dict(optim_hybrid_8bit="true"), ["optim_hybrid_8bit='true'", "bool", "None"]),
+        (dict(optim_overlap_forward=1), ["optim_overlap_forward=1", "bool", "None"]),
+        # what streaming cannot do
+        (dict(fp16=True), ["fp16=True", "stream_enabled=True", "bf16=True", "stream_enabled=False"]),
+        (dict(optim="sgd"), ["optim='sgd'", "HybridAdamW8bit", "optim_", "stream_enabled=False"]),
+        (dict(optim="adafactor"), ["optim='adafactor'", "HybridAdamW8bit"]),
+    ],
+)
+def test_construction_refuses_with_option_value_and_fix(tmp_path, kw, words):
+    kw = kw(tmp_path) if callable(kw) else kw
+    with pytest.raises((ValueError, TypeError)) as e:
+        make(**kw)
+    for w in words:
+        assert w in str(e.value), (w, str(e.value))
+
+
+def test_nvme_dir_not_writable_is_refused(tmp_path, monkeypatch):
+    """Simulated: tests run as root, which writes through permission bits, so `os.access` is made to say no."""
+    import lazytrain_hf.args as args_mod
+
+    monkeypatch.setattr(args_mod.os, "access", lambda path, mode: False)
+    with pytest.raises(ValueError, match="not writable") as e:
+        make(activation_nvme_dir=str(tmp_path))
+    assert f"activation_nvme_dir={str(tmp_path)!r}" in str(e.value)
+
+
+def test_accepted_values(tmp_path):
+    from lazytrain_hf.planner.hardware import get_profile
+
+    measured = tmp_path / "measured.json"
+    get_profile("rtx3090").to_json(str(measured))
+    for kw in (
+        dict(planner_hardware="h800"),
+        dict(planner_hardware="auto"),
+        dict(planner_hardware=str(measured)),
+        dict(activation_nvme_dir=str(tmp_path)),
+        dict(planner_time_limit=5, planner_mip_gap=0, stream_prefetch_depth=0),
+        dict(optim_hybrid_8bit=None, optim_overlap_forward=False),
+        dict(fp16=True, stream_enabled=False),
+        dict(optim="sgd", stream_enabled=False),
+        dict(bf16=True, use_cpu=True),
+    ):
+        make(**kw)
+    a = make(planner_time_limit=5)
+    assert isinstance(a.planner_time_limit, float) and a.planner_time_limit == 5.0
+
+
+def test_upgrade_refuses_a_non_default_optimizer():
+    plain = TrainingArguments(output_dir="o", optim="adafactor", report_to=[])
+    with pytest.raises(ValueError, match="optim='adafactor'"):
+        LazyTrainingArguments.from_training_arguments(plain)
+    up = LazyTrainingArguments.from_training_arguments(plain, stream_enabled=False)
+    assert up.optim == plain.optim
+    default = TrainingArguments(output_dir="o", report_to=[])
+    assert LazyTrainingArguments.from_training_arguments(default).optim == default.optim
+
+
+# ---------------------------------------------------------------------------------------------- subclass upgrade
+@dataclasses.dataclass
+class _OwnArgs(Seq2SeqTrainingArguments):
+    """A user's TrainingArguments subclass: its own field, its own default for a TrainingArguments field and its
+    own __post_init__ (counted)."""
+
+    calls: ClassVar[int] = 0
+    extra_flag: int = dataclasses.field(default=7)
+    learning_rate: float = dataclasses.field(default=1e-3)
+
+    def __post_init__(self):
+        _OwnArgs.calls += 1
+        if self.extra_flag < 0:
+            raise ValueError("extra_flag must be >= 0")
+        super().__post_init__()
+
+
+def test_upgrade_keeps_a_training_arguments_subclass_and_its_fields():
+    s2s = Seq2SeqTrainingArguments(
+        output_dir="o", predict_with_generate=True, generation_max_length=17, learning_rate=3e-4, report_to=[]
+    )
+    up = LazyTrainingArguments.from_training_arguments(s2s)
+    assert isinstance(up, LazyTrainingArguments) and isinstance(up, Seq2SeqTrainingArguments)
+    assert up.predict_with_generate is True and up.generation_max_length == 17 and up.learning_rate == 3e-4
+    assert up.stream_enabled is True and up.activation_tiers == ["gpu", "cpu"] and up.optim_hybrid_8bit is True
+    # one class per user class; an upgraded object is returned as is, overrides make a new one of the same class
+    again = LazyTrainingArguments.from_training_arguments(Seq2SeqTrainingArguments(output_dir="p", report_to=[]))
+    assert type(again) is type(up)
+    assert LazyTrainingArguments.from_training_arguments(up) is up
+    over = LazyTrainingArguments.from_training_arguments(up, stream_prefetch_depth=2)
+    assert type(over) is type(up) and over.stream_prefetch_depth == 2 and over.generation_max_length == 17
+    # LazyTrainingArguments' checks run on the upgraded object
+    with pytest.raises(ValueError, match="stream_prefetch_depth=-1"):
+        LazyTrainingArguments.from_training_arguments(s2s, stream_prefetch_depth=-1)
+    # Trainer pickles args into every checkpoint (training_args.bin)
+    back = pickle.loads(pickle.dumps(up))
+    assert type(back) is type(up) and back.to_dict() == up.to_dict()
+
+
+def test_upgraded_subclass_defaults_and_post_init_run_once():
+    own = _OwnArgs(output_dir="o", extra_flag=3, report_to=[])
+    _OwnArgs.calls = 0
+    up = LazyTrainingArguments.from_training_arguments(own)
+    assert _OwnArgs.calls == 1
+    assert isinstance(up, _OwnArgs) and isinstance(up, LazyTrainingArguments)
+    assert up.extra_flag == 3 and up.learning_rate == 1e-3
+    defaults = {f.name: f.default for f in dataclasses.fields(type(up))}
+    assert defaults["learning_rate"] == 1e-3 and defaults["extra_flag"] == 7  # the user's class
+    assert defaults["stream_enabled"] is True and defaults["optim_block_size"] == 256  # LazyTrainingArguments
+    fresh = type(up)(output_dir="o", report_to=[])
+    assert fresh.learning_rate == 1e-3 and fresh.stream_prefetch_depth == 1
+    # both validations run: the user's and LazyTrainingArguments'
+    with pytest.raises(ValueError, match="extra_flag"):
+        LazyTrainingArguments.from_training_arguments(own, extra_flag=-1)
+    with pytest.raises(ValueError, match="optim_block_size=100"):
+        LazyTrainingArguments.from_training_arguments(own, optim_block_size=100)

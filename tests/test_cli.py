@@ -147,3 +147,55 @@ def test_plan_does_not_import_trainer():
     )
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert out.stdout.strip().endswith("CLEAN"), out.stderr[-2000:]
+
+
+# ----------------------------------------------------------------------------------------- refused before solving
+@pytest.fixture
+def no_solve(monkeypatch):
+    """The checks below must fire before any solve."""
+    from lazytrain_hf.planner import milp
+
+    def solve(*args, **kwargs):
+        raise AssertionError("the plan was solved before the bad argument was refused")
+
+    monkeypatch.setattr(milp, "plan_for_model", solve)
+
+
+def test_nan_in_a_hardware_profile_is_refused(capsys, tmp_path, no_solve):
+    from lazytrain_hf.planner.hardware import get_profile
+
+    hw = tmp_path / "nan.json"
+    hw.write_text(json.dumps({**get_profile("h800").to_dict(), "peak_tflops": float("nan")}))  # json writes NaN
+    code, _, err = run(capsys, "plan", "--model", "qwen2.5-3b", "--hardware", str(hw), "--seq-len", "256")
+    assert code == 2
+    for w in (f"--hardware={str(hw)!r}", "peak_tflops=nan", "positive finite", "measure()"):
+        assert w in err, (w, err)
+
+
+@pytest.mark.parametrize("flag", ["--save", "--timeline"])
+@pytest.mark.parametrize("where", ["missing_dir", "a_directory", "read_only"])
+def test_unwritable_output_path_is_an_argument_error(capsys, tmp_path, monkeypatch, no_solve, flag, where):
+    if where == "missing_dir":
+        path, fix = str(tmp_path / "no" / "such" / "out.json"), f"mkdir -p {tmp_path / 'no' / 'such'}"
+    elif where == "a_directory":
+        path, fix = str(tmp_path), "name a file in it"
+    else:  # tests run as root, which writes through permission bits, so `os.access` is made to say no
+        import os
+
+        monkeypatch.setattr(os, "access", lambda p, mode: False)
+        path, fix = str(tmp_path / "out.json"), "pick a path you can write to"
+    with pytest.raises(SystemExit) as e:
+        main(["plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--seq-len", "256", flag, path])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    for w in (f"{flag}={path!r}", fix):
+        assert w in err, (w, err)
+
+
+def test_gpu_budget_above_the_device_memory_is_refused(capsys, no_solve):
+    code, _, err = run(
+        capsys, "plan", "--model", "qwen3-8b", "--hardware", "h800", "--seq-len", "256", "--gpu-budget", "500GiB"
+    )
+    assert code == 2
+    for w in ("--gpu-budget=500.00GiB", "h800", "80.00GiB", "at most --gpu-budget 80.00GiB"):
+        assert w in err, (w, err)

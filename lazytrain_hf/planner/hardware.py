@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tempfile
 import time
@@ -26,6 +27,11 @@ from typing import Any
 GB = 10**9
 GiB = 2**30
 TiB = 2**40
+
+
+def _finite(value: Any) -> bool:
+    """A real number (not a bool), neither NaN nor infinite."""
+    return isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
 
 
 @dataclass
@@ -68,6 +74,8 @@ class HardwareProfile:
     layer_times_shape: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
+        # json.load reads NaN and Infinity; a NaN rate would reach the solver as a NaN coefficient
+        fix = "fix the profile or re-run `measure()`"
         for name in (
             "device_memory_bytes",
             "peak_tflops",
@@ -79,19 +87,30 @@ class HardwareProfile:
             "cpu_optimizer_params_per_s",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int | float) or isinstance(value, bool) or value <= 0:
+            if not _finite(value) or value <= 0:
                 raise ValueError(
-                    f"HardwareProfile {self.name!r}: {name}={value!r} must be a positive number; fix the profile "
-                    "or re-run `measure()`."
+                    f"HardwareProfile {self.name!r}: {name}={value!r} must be a positive finite number; {fix}."
                 )
-        if not 0 < self.achievable_fraction <= 1:
+        if not _finite(self.achievable_fraction) or not 0 < self.achievable_fraction <= 1:
             raise ValueError(
-                f"HardwareProfile {self.name!r}: achievable_fraction={self.achievable_fraction!r} must be in (0, 1]."
+                f"HardwareProfile {self.name!r}: achievable_fraction={self.achievable_fraction!r} must be in (0, 1]; "
+                f"{fix}."
             )
-        if self.nvme_capacity_bytes < 0:
-            raise ValueError(f"HardwareProfile {self.name!r}: nvme_capacity_bytes must be >= 0.")
+        if not _finite(self.nvme_capacity_bytes) or self.nvme_capacity_bytes < 0:
+            raise ValueError(
+                f"HardwareProfile {self.name!r}: nvme_capacity_bytes={self.nvme_capacity_bytes!r} must be a finite "
+                f"number >= 0; {fix}."
+            )
         if self.device_type not in ("cuda", "cpu"):
             raise ValueError(f"HardwareProfile {self.name!r}: device_type={self.device_type!r} must be cuda or cpu.")
+        if not isinstance(self.layer_times, dict) or not all(
+            isinstance(t, list | tuple) and len(t) == 2 and all(_finite(x) and x >= 0 for x in t)
+            for t in self.layer_times.values()
+        ):
+            raise ValueError(
+                f"HardwareProfile {self.name!r}: layer_times={self.layer_times!r} must map each layer kind to "
+                f"[forward_s, backward_s] (finite numbers >= 0); {fix}."
+            )
 
     # ------------------------------------------------------------------ derived rates
     @property
@@ -130,6 +149,10 @@ class HardwareProfile:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> HardwareProfile:
+        if not isinstance(data, dict):
+            raise ValueError(
+                f"a hardware profile is a JSON object of its fields, not {type(data).__name__}; re-run `measure()`."
+            )
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = set(data) - known
         if unknown:
