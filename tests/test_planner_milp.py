@@ -255,3 +255,42 @@ def test_block_checkpoint_plan_validation():
     layers = [LayerPlan(index=i, policy="keep") for i in range(4)]
     with pytest.raises(ValueError, match="checkpoint_every=4"):
         Plan(layers=layers, checkpoint_every=4).validate()
+
+
+@pytest.mark.parametrize("tiers", [("nvme",), ("cpu", "nvme")])
+def test_tiers_without_gpu_plan(tmp_path, tiers):
+    """Without the gpu tier every layer spills to NVMe (or cpu) or is recomputed from an input kept there; only the
+    last layer, whose backward follows its forward with just the head between (no time to write and read a spill
+    back), is recomputed from its input left on the device: the bytes a spill would hold there anyway."""
+    from lazytrain_hf.args import LazyTrainingArguments
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = milp.plan_for_model(
+            "qwen2.5-1.5b", "rtx3090", 256, allowed_tiers=tiers, nvme_budget=100 * GB, time_limit=10, solver="cbc"
+        )
+    *spilled, last = plan.layers
+    assert all(lp.tier in tiers for lp in spilled), [(lp.policy, lp.input_tier) for lp in spilled]
+    assert "nvme" in plan.tiers_used()
+    if tiers == ("nvme",):
+        assert all(lp.policy in ("offload_nvme", "recompute") for lp in spilled)
+        assert (last.policy, last.input_tier) == ("recompute", "gpu")
+    else:
+        assert last.tier in tiers
+    cm = CostModel.from_config(get_config("qwen2.5-1.5b"), "rtx3090", 256, plan.micro_batch_size)
+    ev = milp.evaluate_plan(plan, cm)
+    assert ev.peak_gpu_bytes <= cm.hardware.default_gpu_budget() and 0 < ev.nvme_bytes <= 100 * GB
+    # the heuristics too
+    gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
+    assert milp.heuristic_plan(cm, gpu, host, 100 * GB, tiers) is not None
+    milp.evaluate_plan(milp.min_memory_plan(cm, tiers), cm)
+    # and the arguments that ask for it
+    args = LazyTrainingArguments(
+        output_dir=str(tmp_path / "o"), report_to=[], activation_tiers=list(tiers), activation_nvme_dir=str(tmp_path)
+    )
+    assert args.activation_tiers == list(tiers)
+
+
+def test_nvme_only_without_nvme_space_names_the_budget():
+    with pytest.raises(ValueError, match=r"allowed_tiers=\('nvme',\) with nvme_budget=0.*--nvme-budget"):
+        milp.solve(hand_made(2), allowed_tiers=("nvme",))

@@ -20,6 +20,7 @@ from .stages import (
     OPTIONS,
     _allowed_options,
     _fetch_fwd_aheads,
+    _layer_options,
     _make_plan,
     _offloaded_bytes,
     _offloaded_bytes_needed,
@@ -79,13 +80,9 @@ def _build(
     yB: list[dict[int, Any]] = []  # yB[i][a] = 1: B_i's weight fetch issued a stages before B_i
     yR: list[dict[tuple[str, int], Any]] = []  # yR[i][(o, a)] = 1: B_i's reload (option o) issued a stages ahead
     for i in range(L):
-        layer_opts = {}
-        for o in allowed:
-            if _offloaded_bytes_needed(o) and not _reload_stages(L, i, o, lookahead):
-                continue  # its backward follows too closely for this tier
-            layer_opts[o] = _var(prob, f"opt_{i}_{o}")
-        if not layer_opts:
-            raise ValueError(f"allowed_tiers={tuple(allowed_tiers)!r} leave layer {i} no legal option.")
+        # options whose backward follows too closely for their tier are left out (See Note: [Recompute on the
+        # device when no allowed tier can hold the input])
+        layer_opts = {o: _var(prob, f"opt_{i}_{o}") for o in _layer_options(L, i, allowed)}
         opt.append(layer_opts)
         res.append(_var(prob, f"res_{i}") if allow_resident else None)
         yF.append(

@@ -14,9 +14,11 @@ from .costmodel import CostModel
 from .plan import Plan
 from .stages import (
     DEFAULT_LOOKAHEAD,
+    OPTIONS,
     Evaluation,
     _allowed_options,
     _fits,
+    _layer_options,
     _make_plan,
     _offloaded_bytes_needed,
     _reload_stages,
@@ -37,8 +39,8 @@ def min_memory_plan(cm: CostModel, allowed_tiers: Sequence[str] = ("gpu", "cpu")
     allowed = _allowed_options(allowed_tiers)
     options = []
     for i in range(L):
-        choice = next((o for o in ("rec_cpu", "rec_nvme") if o in allowed and _reload_stages(L, i, o, 0)), None)
-        options.append(choice or ("rec_gpu" if "rec_gpu" in allowed else allowed[0]))
+        legal = _layer_options(L, i, allowed)
+        options.append(next((o for o in ("rec_cpu", "rec_nvme", "rec_gpu") if o in legal), legal[0]))
     zeros = [0] * L
     return _make_plan(cm, options, fetch_fwd=zeros, fetch_bwd=zeros, reload=zeros, source="heuristic")
 
@@ -81,8 +83,10 @@ def heuristic_plan(
             opts = []
             for i in range(L):
                 o = saver if i < n else (base or saver)
-                if _offloaded_bytes_needed(o) and not _reload_stages(L, i, o, 2 * L):
-                    o = base or ("rec_gpu" if "rec_gpu" in allowed else o)
+                legal = _layer_options(L, i, allowed)
+                if o not in legal:  # the same policy on another tier, else what the layer can take
+                    same = [x for x in legal if OPTIONS[x][0] == OPTIONS[o][0]]
+                    o = base if base in legal else (same or legal)[0]
                 opts.append(o)
             reload = [max(_legal_reload(L, i, opts[i], DEFAULT_LOOKAHEAD) or [0]) for i in range(L)]
             return _make_plan(cm, opts, fetch_fwd=ff, reload=[min(1, r) for r in reload], source="heuristic")

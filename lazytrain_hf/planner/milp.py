@@ -129,8 +129,7 @@ def solve(
         raise ValueError(f"gap={gap} must be in [0, 1) (e.g. 0.01).")
     if lookahead < 0:
         raise ValueError(f"lookahead={lookahead} must be >= 0 (2 is the default).")
-    if "nvme" in allowed_tiers and nvme_budget == 0:
-        allowed_tiers = tuple(t for t in allowed_tiers if t != "nvme")  # no space: the tier cannot be used
+    allowed_tiers = _usable_tiers(allowed_tiers, nvme_budget)
     name = _resolve_solver(solver)
     heuristic = heuristic_plan(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers)
     if heuristic is None:
@@ -198,6 +197,19 @@ def solve(
         "objective": rep["objective"],
     }
     return plan
+
+
+def _usable_tiers(tiers: Sequence[str], nvme_budget: int) -> tuple[str, ...]:
+    """``tiers`` without nvme when there is no NVMe space (the tier cannot be used); ValueError when none is left."""
+    tiers = tuple(tiers)
+    if "nvme" in tiers and nvme_budget == 0:
+        tiers = tuple(t for t in tiers if t != "nvme")
+        if not tiers:
+            raise ValueError(
+                "allowed_tiers=('nvme',) with nvme_budget=0: the only tier has no space; pass an nvme_budget (e.g. "
+                "'100GiB', `lazytrain plan --nvme-budget 100GiB`) or allow 'cpu' or 'gpu' too."
+            )
+    return tiers
 
 
 def _check_budget(value: Any, option: str, minimum: int = 1) -> int:
@@ -344,9 +356,7 @@ def plan_for_model(
     gpu_b = hw.default_gpu_budget() if gpu_budget is None else _check_budget(gpu_budget, "gpu_budget")
     host_b = hw.default_host_budget() if host_budget is None else _check_budget(host_budget, "host_budget", 0)
     nvme_b = _check_budget(nvme_budget, "nvme_budget", 0)
-    tiers = tuple(allowed_tiers)
-    if "nvme" in tiers and nvme_b == 0:
-        tiers = tuple(t for t in tiers if t != "nvme")
+    tiers = _usable_tiers(allowed_tiers, nvme_b)
     b0 = micro_batch_size or 1
     base = CostModel.from_config(
         cfg,

@@ -1,11 +1,11 @@
 """The stage model of one training step, and the exact evaluation of a plan under it.
 
-Owns: the per-layer options (`OPTIONS`: activation policy x where its saved bytes live), the legal transfer slots
-of each option, `evaluate_plan` (step time, memory at every stage and predictions of a fixed plan), the budget
-test `_fits`, and `_make_plan` (options and slots -> `Plan`). The MILP (`formulation.py`), the heuristics and the
-brute-force tests all read a plan through this model; the simulator (`simulate.py`) is the independent referee and
-does not use it. Pure arithmetic on a `CostModel`: imports neither torch nor pulp, knows no solver and not the
-runtime.
+Owns: the per-layer options (`OPTIONS`: activation policy x where its saved bytes live; `_layer_options`: those a
+layer can take), the legal transfer slots of each option, `evaluate_plan` (step time, memory at every stage and
+predictions of a fixed plan), the budget test `_fits`, and `_make_plan` (options and slots -> `Plan`). The MILP
+(`formulation.py`), the heuristics and the brute-force tests all read a plan through this model; the simulator
+(`simulate.py`) is the independent referee and does not use it. Pure arithmetic on a `CostModel`: imports neither
+torch nor pulp, knows no solver and not the runtime.
 
 A step is the stages ``s = 0 .. 2L``: ``F_i = i``, ``H = L``, ``B_i = 2L - i``, then a tail ``tail`` between the
 end of ``B_0`` and the start of the next step's ``F_0``. Within a stage the lanes overlap:
@@ -77,6 +77,20 @@ def _reload_stages(L: int, i: int, option: str, lookahead: int) -> list[int]:
     tier = OPTIONS[option][1]
     earliest = i + 2 if tier == "cpu" else i + 4
     return [a for a in range(lookahead + 1) if sB - a >= earliest]
+
+
+def _layer_options(L: int, i: int, allowed: Sequence[str]) -> list[str]:
+    """The options of ``allowed`` layer i can take: those whose reload has a legal stage.
+
+    Note: [Recompute on the device when no allowed tier can hold the input]
+    Only the nvme tier can leave a layer without an option: a spill is written one stage after its D2H and read
+    back one stage before its reload, so the last layer (only the head between ``F_{L-1}`` and ``B_{L-1}``) cannot
+    use it. Recomputation is always allowed, so such a layer is recomputed from its input left on the device
+    (``rec_gpu``): the D2H during the head and the reload at ``B_{L-1}`` would keep the same bytes allocated at
+    every stage, at the cost of a write and a read. ``activation_tiers=["nvme"]`` therefore still plans.
+    """
+    legal = [o for o in allowed if not _offloaded_bytes_needed(o) or _reload_stages(L, i, o, 0)]
+    return legal or ["rec_gpu"]
 
 
 def _fetch_fwd_aheads(i: int, lookahead: int) -> list[int]:
