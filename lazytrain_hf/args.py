@@ -7,8 +7,10 @@ import functools
 import math
 import numbers
 import os
+import sys
 import types
 import typing
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -242,6 +244,15 @@ class LazyTrainingArguments(TrainingArguments):
                 f"adam_beta1, adam_beta2 and adam_epsilon apply), which would silently replace it; leave optim at "
                 f"its default ({default_optim!r}), or {off} to train with optim={_value_of(self.optim)!r}."
             )
+        if self.stream_enabled and (
+            getattr(self, "activation_checkpointing", False) or getattr(self, "gradient_checkpointing", False)
+        ):
+            raise ValueError(
+                "gradient_checkpointing=True (activation_checkpointing) with stream_enabled=True: HF checkpointing "
+                "re-enters the decoder layers in backward, which the executor cannot stream; the plan recomputes "
+                "activations instead (planner_policy='milp' chooses per layer, 'all_recompute' recomputes every "
+                "layer). Leave it off, or set stream_enabled=False."
+            )
         if self.stream_enabled and self.fp16:
             raise ValueError(
                 "fp16=True with stream_enabled=True: streaming has no fp16 loss scaling (the grad scaler fails at "
@@ -275,6 +286,16 @@ class LazyTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name}={value!r} must be {what}; pass e.g. {name}={example!r}.")
             setattr(self, name, value)
 
+    def get_process_log_level(self) -> int:
+        """Note: [LazyTrainingArguments need LazyTrainer]
+        `transformers.Trainer.__init__` asks its arguments for the log level first thing, which is the one point
+        where the arguments see which trainer uses them. Streaming (the plan, the hooks, HybridAdamW8bit over the host
+        masters) lives in `LazyTrainer`'s overrides, which no argument can install into another Trainer, so a plain
+        `Trainer` (or an `SFTTrainer`) given ``stream_enabled=True`` is refused here rather than training a plain
+        model while the arguments say it streams."""
+        _refuse_foreign_trainer(self)
+        return super().get_process_log_level()
+
     def __getstate__(self) -> dict:
         """Pickled without the hub token: Trainer writes `torch.save(args)` as `training_args.bin` into every
         checkpoint and into the folder `push_to_hub` uploads."""
@@ -289,8 +310,10 @@ class LazyTrainingArguments(TrainingArguments):
 
         A plain `TrainingArguments` becomes ``cls``; an object of another subclass (`Seq2SeqTrainingArguments`,
         trl's `SFTConfig`, ...) becomes an object of a dataclass deriving from both its class and ``cls`` (made
-        once per class, see `upgraded_class`), so its own fields and checks are kept and ``isinstance`` holds for
-        both. ``overrides`` set fields on the way (e.g. ``stream_enabled=False``).
+        once per class, see `upgraded_class`; trl's `SFTConfig` becomes `lazytrain_hf.LazySFTConfig`), so its own
+        fields and checks are kept and ``isinstance`` holds for both. ``overrides`` set fields on the way (e.g.
+        ``stream_enabled=False``). HF activation checkpointing, which a config made for plain training may have on
+        (SFTConfig does by default), is turned off with a warning when the result streams: the plan recomputes.
         """
         if isinstance(args, cls) and not overrides:
             return args
@@ -298,7 +321,39 @@ class LazyTrainingArguments(TrainingArguments):
         values = {f.name: getattr(args, f.name) for f in dataclasses.fields(args) if f.init and hasattr(args, f.name)}
         # TrainingArguments.__post_init__ rewrites some fields (enums, derived paths); re-run it from the originals.
         values.update(overrides)
+        streams = values.get("stream_enabled", _field_default(target, "stream_enabled"))
+        checkpointing = [k for k in ("activation_checkpointing", "gradient_checkpointing") if values.get(k)]
+        if streams and checkpointing and not any(k in overrides for k in checkpointing):
+            warnings.warn(
+                f"{type(args).__name__} had {checkpointing[0]}=True: turned off for streaming, which recomputes "
+                "activations by plan policy (planner_policy) instead.",
+                stacklevel=2,
+            )
+            values.update({k: None if k == "activation_checkpointing" else False for k in checkpointing})
         return target(**_originals(args, values))
+
+
+def _refuse_foreign_trainer(args: LazyTrainingArguments) -> None:
+    if not args.stream_enabled:
+        return
+    frame = sys._getframe(2)  # get_process_log_level <- its caller (Trainer.__init__)
+    for _ in range(4):
+        if frame is None:
+            return
+        owner = frame.f_locals.get("self")
+        names = {f"{c.__module__}.{c.__qualname__}" for c in type(owner).__mro__} if owner is not None else set()
+        if "transformers.trainer.Trainer" in names:
+            if "lazytrain_hf.trainer.LazyTrainer" in names:
+                return
+            sft = any(n.startswith("trl.") and n.endswith(".SFTTrainer") for n in names)
+            fix = "lazytrain_hf.LazySFTTrainer(...)" if sft else "lazytrain_hf.LazyTrainer(...)"
+            raise ValueError(
+                f"{type(owner).__name__}(args={type(args).__name__}(stream_enabled=True)): only LazyTrainer runs "
+                f"the LazyTrain path (plan, streaming hooks, HybridAdamW8bit); a {type(owner).__name__} would train "
+                f"the unstreamed model with its own optimizer. Use {fix} with the same arguments, or set "
+                "stream_enabled=False."
+            )
+        frame = frame.f_back
 
 
 _UPGRADED: dict[tuple[type, type], type] = {}  # (user's TrainingArguments subclass, LazyTrainingArguments class)
@@ -320,6 +375,11 @@ def upgraded_class(base: type, lazy: type = LazyTrainingArguments) -> type:
         return base
     if issubclass(lazy, base):
         return lazy
+    if f"{base.__module__}.{base.__qualname__}".startswith("trl.") and base.__name__ == "SFTConfig":
+        from .trl import LazySFTConfig  # the maintained combination (its own defaults and checks)
+
+        if issubclass(LazySFTConfig, lazy):
+            return LazySFTConfig
     key = (base, lazy)
     if key not in _UPGRADED:
         name = f"Lazy{base.__name__}"

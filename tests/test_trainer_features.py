@@ -330,3 +330,53 @@ def test_bf16_means_a_bf16_compute_copy_with_fp32_masters(tmp_path):
     print("bf16 streamed", bf16, "Trainer bf16 autocast", autocast, "fp32 streamed", fp32)
     assert bf16 != fp32
     assert bf16 == pytest.approx(autocast, rel=1e-3), (bf16, autocast, fp32)
+
+
+def test_plain_trainer_with_lazy_arguments_is_refused(tmp_path):
+    """`transformers.Trainer(args=LazyTrainingArguments(...))` would train the unstreamed model with torch AdamW
+    while the arguments say it streams: refused at construction, naming LazyTrainer; with streaming off it is the
+    plain Trainer it always was."""
+    from transformers import Trainer
+
+    args = LazyTrainingArguments(output_dir=str(tmp_path / "a"), report_to=[], use_cpu=True)
+    with pytest.raises(
+        ValueError,
+        match=r"Trainer\(args=LazyTrainingArguments\(stream_enabled=True\)\).*"
+        r"lazytrain_hf\.LazyTrainer\(\.\.\.\).*stream_enabled=False",
+    ):
+        Trainer(model=tiny_model("qwen3"), args=args, train_dataset=token_dataset())
+    off = LazyTrainingArguments(
+        output_dir=str(tmp_path / "b"),
+        report_to=[],
+        use_cpu=True,
+        stream_enabled=False,
+        max_steps=1,
+        save_strategy="no",
+    )
+    Trainer(model=tiny_model("qwen3"), args=off, train_dataset=token_dataset()).train()
+    LazyTrainer(model=tiny_model("qwen3"), args=args, train_dataset=token_dataset())  # the right trainer: accepted
+
+
+def test_sft_trainer_with_lazy_config_is_refused_and_sft_config_is_upgraded(tmp_path):
+    trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
+    from lazytrain_hf import LazySFTConfig
+    from lazytrain_hf.data import build_embedded_tokenizer
+
+    tok = build_embedded_tokenizer(vocab_size=256, num_samples=300)
+    rows = Dataset.from_list([{"prompt": f"What is {i} + 1?", "completion": f" {i + 1}"} for i in range(8)])
+    cfg = LazySFTConfig(output_dir=str(tmp_path / "a"), report_to=[], use_cpu=True, bf16=False)
+    with pytest.raises(ValueError, match=r"lazytrain_hf\.LazySFTTrainer\(\.\.\.\)"):
+        trl.SFTTrainer(
+            model=tiny_model("qwen3", vocab_size=len(tok)), args=cfg, train_dataset=rows, processing_class=tok
+        )
+    plain = trl.SFTConfig(output_dir=str(tmp_path / "b"), report_to=[], use_cpu=True, bf16=False, max_length=64)
+    tr = LazyTrainer(model=tiny_model("qwen3", vocab_size=len(tok)), args=plain, train_dataset=token_dataset())
+    assert type(tr.args) is LazySFTConfig and tr.args.max_length == 64 and not tr.args.gradient_checkpointing
+
+
+def test_hf_gradient_checkpointing_is_refused_while_streaming(tmp_path):
+    with pytest.raises(ValueError, match=r"gradient_checkpointing=True.*recomputes.*stream_enabled=False"):
+        LazyTrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, report_to=[])
+    LazyTrainingArguments(output_dir=str(tmp_path), gradient_checkpointing=True, stream_enabled=False, report_to=[])

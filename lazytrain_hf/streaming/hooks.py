@@ -317,7 +317,9 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         if "labels" not in inputs:
             raise ValueError("causal_lm_loss(inputs=...) needs a 'labels' entry (token ids, ignore_index on pads).")
         if chunked_loss_unsupported(model) is not None:
-            out = model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"}, use_cache=False)
+            # as Trainer.compute_loss calls it (the loss normalised by num_items_in_batch when given)
+            kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
+            out = model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"}, use_cache=False, **kwargs)
             return out.loss
         inputs = dict(inputs)
         labels = inputs.pop("labels")
