@@ -59,12 +59,14 @@ def _resume_matches_uninterrupted(tmp_path, model_type: str, stream: bool, bf16:
 
 @pytest.mark.parametrize("model_type", MOE_FAMILIES)
 def test_moe_resume_is_bit_exact_streamed(tmp_path, model_type):
-    _resume_matches_uninterrupted(tmp_path, model_type, stream=True)
+    full, resumed = _resume_matches_uninterrupted(tmp_path, model_type, stream=True)  # asserts losses and weights
+    assert resumed.loss_recorder.losses == full.loss_recorder.losses[1:]
 
 
 def test_moe_resume_is_bit_exact_unstreamed(tmp_path):
     """`stream_enabled=False` is Trainer's own loop, whose `_load_from_checkpoint` shares the defect."""
-    _resume_matches_uninterrupted(tmp_path, "qwen3_moe", stream=False)
+    full, resumed = _resume_matches_uninterrupted(tmp_path, "qwen3_moe", stream=False)  # asserts losses and weights
+    assert resumed.loss_recorder.losses == full.loss_recorder.losses[1:]
 
 
 def test_moe_resume_bf16_restores_fused_masters(tmp_path):
