@@ -16,6 +16,7 @@ from typing import Any
 
 from transformers import TrainingArguments
 
+from .activations.nvme import check_dir as check_nvme_dir
 from .planner.plan import INPUT_TIERS
 from .units import parse_bytes
 
@@ -455,33 +456,6 @@ def check_hardware(value: Any) -> None:
         get_profile(value)
     except (ValueError, TypeError) as e:
         raise ValueError(f"planner_hardware={value!r}: {e} ('auto' measures this machine instead.)") from e
-
-
-def check_nvme_dir(path: Any) -> str:
-    """``activation_nvme_dir`` as an absolute path; ValueError naming it unless it is an existing, writable
-    directory (the spill files are created there at `train()`)."""
-    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
-        raise ValueError(
-            f"activation_nvme_dir={path!r} must be the path of a directory on a fast local disk, e.g. "
-            "activation_nvme_dir='/scratch/lazytrain'."
-        )
-    resolved = os.path.abspath(os.path.expanduser(os.fspath(path)))
-    if os.path.exists(resolved) and not os.path.isdir(resolved):
-        raise ValueError(
-            f"activation_nvme_dir={path!r} is not a directory; pass a directory on a fast local disk for the spill "
-            "files."
-        )
-    if not os.path.isdir(resolved):
-        raise ValueError(
-            f"activation_nvme_dir={path!r} does not exist; create it (mkdir -p {resolved}) or pass another directory "
-            "on a fast local disk."
-        )
-    if not os.access(resolved, os.W_OK | os.X_OK):
-        raise ValueError(
-            f"activation_nvme_dir={path!r} is not writable by this process; fix its permissions or pass a directory "
-            "you can write to."
-        )
-    return resolved
 
 
 def resolve_plan_path(path: str) -> str:

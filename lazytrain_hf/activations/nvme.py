@@ -41,17 +41,31 @@ class ActivationSpillError(OSError):
     """Writing activations to the NVMe spill directory failed (e.g. ENOSPC). The spill files are removed."""
 
 
-def check_dir(path: str) -> None:
-    """ValueError naming ``activation_nvme_dir`` unless ``path`` is a writable directory."""
-    if not os.path.isdir(path):
+def check_dir(path: Any) -> str:
+    """``activation_nvme_dir`` as an absolute path; ValueError naming it unless it is an existing, writable
+    directory (the spill files are created there); also checked by `LazyTrainingArguments`."""
+    if not isinstance(path, str | os.PathLike) or not os.fspath(path):
         raise ValueError(
-            f"activation_nvme_dir={path!r} does not exist or is not a directory; create it (mkdir -p) or pass "
-            "an existing directory on a fast local disk."
+            f"activation_nvme_dir={path!r} must be the path of a directory on a fast local disk, e.g. "
+            "activation_nvme_dir='/scratch/lazytrain'."
         )
-    if not os.access(path, os.W_OK | os.X_OK):
+    resolved = os.path.abspath(os.path.expanduser(os.fspath(path)))
+    if os.path.exists(resolved) and not os.path.isdir(resolved):
         raise ValueError(
-            f"activation_nvme_dir={path!r} is not writable by this process; pass a directory you can write to."
+            f"activation_nvme_dir={path!r} is not a directory; pass a directory on a fast local disk for the spill "
+            "files."
         )
+    if not os.path.isdir(resolved):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} does not exist; create it (mkdir -p {resolved}) or pass another directory "
+            "on a fast local disk."
+        )
+    if not os.access(resolved, os.W_OK | os.X_OK):
+        raise ValueError(
+            f"activation_nvme_dir={path!r} is not writable by this process; fix its permissions or pass a directory "
+            "you can write to."
+        )
+    return resolved
 
 
 def _host_id() -> str:

@@ -104,6 +104,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.plan = plan
         self.device = device
         self.compute_dtype = compute_dtype  # Note: [A bf16 compute copy of an fp32 model]
+        # why `causal_lm_loss` must run the model's own forward (an adapter outside the layers), or None
+        self._full_model_loss = chunked_loss_unsupported(model)
         self.is_cuda = device.type == "cuda"
         pin = self.is_cuda if pin_memory is None else bool(pin_memory)
         self.store = HostStore(pin_memory=pin)
@@ -316,7 +318,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         """
         if "labels" not in inputs:
             raise ValueError("causal_lm_loss(inputs=...) needs a 'labels' entry (token ids, ignore_index on pads).")
-        if chunked_loss_unsupported(model) is not None:
+        if self._full_model_loss is not None:
             # as Trainer.compute_loss calls it (the loss normalised by num_items_in_batch when given)
             kwargs = {} if num_items_in_batch is None else {"num_items_in_batch": num_items_in_batch}
             out = model(**{k: v for k, v in inputs.items() if k != "num_items_in_batch"}, use_cache=False, **kwargs)
