@@ -157,7 +157,8 @@ def test_best_model_is_exactly_the_best_checkpoint(tmp_path, model_type):
     assert any(not torch.equal(last[k], saved[k]) for k in saved)  # the check can tell the two apart
 
 
-def _two_trains(tmp_path, stream: bool) -> tuple[list[float], LazyTrainer]:
+def short_trainer(out, stream: bool, max_steps: int, **extra) -> tuple[list[float], LazyTrainer]:
+    """A LazyTrainer (default plan, HybridAdamW8bit either way) and the list its logged losses are appended to."""
     losses: list[float] = []
 
     class Rec(TrainerCallback):
@@ -166,9 +167,9 @@ def _two_trains(tmp_path, stream: bool) -> tuple[list[float], LazyTrainer]:
                 losses.append(logs["loss"])
 
     args = LazyTrainingArguments(
-        output_dir=str(tmp_path / f"out{stream}"),
+        output_dir=str(out),
         per_device_train_batch_size=4,
-        max_steps=2,
+        max_steps=max_steps,
         learning_rate=5e-3,
         logging_steps=1,
         report_to=[],
@@ -179,8 +180,14 @@ def _two_trains(tmp_path, stream: bool) -> tuple[list[float], LazyTrainer]:
         stream_enabled=stream,
         optim_hybrid_8bit=True,
         planner_policy="default",
+        **extra,
     )
     tr = LazyTrainer(model=tiny_model("qwen3", seed=1), args=args, train_dataset=token_dataset(), callbacks=[Rec()])
+    return losses, tr
+
+
+def _two_trains(tmp_path, stream: bool) -> tuple[list[float], LazyTrainer]:
+    losses, tr = short_trainer(tmp_path / f"out{stream}", stream, max_steps=2)
     tr.train()
     assert tr.optimizer is not None
     steps = [s["step"] for s in tr.optimizer.state.values()]
@@ -267,30 +274,7 @@ def test_resume_restores_the_batch_size_the_plan_chose(tmp_path):
 
 def _bf16_run(tmp_path, stream: bool, bf16: bool, look=None) -> tuple[list[float], LazyTrainer]:
     """Four steps; ``look(trainer)`` may return a callback that inspects the trainer while it trains."""
-    losses: list[float] = []
-
-    class Rec(TrainerCallback):
-        def on_log(self, args, state, control, logs=None, **kw):
-            if logs and "loss" in logs:
-                losses.append(logs["loss"])
-
-    args = LazyTrainingArguments(
-        output_dir=str(tmp_path / f"out{stream}{bf16}"),
-        per_device_train_batch_size=4,
-        max_steps=4,
-        learning_rate=5e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=3,
-        save_strategy="no",
-        stream_enabled=stream,
-        optim_hybrid_8bit=True,
-        planner_policy="default",
-        bf16=bf16,
-    )
-    tr = LazyTrainer(model=tiny_model("qwen3", seed=1), args=args, train_dataset=token_dataset(), callbacks=[Rec()])
+    losses, tr = short_trainer(tmp_path / f"out{stream}{bf16}", stream, max_steps=4, bf16=bf16)
     if look is not None:
         tr.add_callback(look(tr))
     tr.train()
