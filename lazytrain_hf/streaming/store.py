@@ -11,10 +11,18 @@ Every streamed decoder layer owns one `LayerStore` with three flat buffers:
 Parameters are laid out at element offsets aligned to `ALIGN_BYTES`, trainable ones first, so that the master, the
 grad and (when every parameter has the same dtype) the compute copy share element offsets: refreshing the compute
 copy from the master is then a single ``copy_`` of a prefix.
+
+Memory: the fp32 masters are pageable (only the optimizer on the host reads and writes them); the compute copy and
+the gradient accumulators (what host<->device copies read and write) are pinned on CUDA, each allocated at its exact
+size (Note: [Pinned blocks are registered, not cached]). A layer is laid out by `layer_layout`, the same function the
+host-memory accounting (`lazytrain_hf.planner.hostmem`) sizes it with, so the accounting is the store's byte count.
+Parameters left on disk (`lazytrain_hf.from_pretrained`, meta tensors with a `DiskSource`) are read one layer at a
+time straight into the layer's buffers (Note: [A layer is read from disk into its buffers]).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -28,6 +36,145 @@ ALIGN_BYTES = 256
 
 def _align(n: int, to: int = ALIGN_BYTES) -> int:
     return (n + to - 1) // to * to
+
+
+@dataclass(frozen=True)
+class LayerLayout:
+    """Byte layout of one layer in the host store (what `HostStore.add_layer` allocates), from shapes and dtypes.
+
+    Attributes:
+        offsets: per parameter, in store order (trainable first): ``(byte offset in the compute copy, element offset
+            in the fp32 master / grad buffers or -1 for a frozen parameter, compute dtype)``.
+        order: the input indices of the parameters in store order.
+        compute_bytes: bytes of the compute copy (alignment padding included; also a device slot's size).
+        train_elems: elements of the fp32 master and of the gradient accumulator (0: no trainable parameter).
+        aliased: the compute copy is fp32 and the master is a prefix of it (Note: [Compute copy aliases the fp32
+            master]).
+    """
+
+    offsets: tuple[tuple[int, int, torch.dtype], ...]
+    order: tuple[int, ...]
+    compute_bytes: int
+    train_elems: int
+    aliased: bool
+
+    @property
+    def master_bytes(self) -> int:
+        """Bytes of the separate (pageable) fp32 master: 0 when aliased with the compute copy."""
+        return 0 if self.aliased else 4 * self.train_elems
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 * self.train_elems
+
+
+def layer_layout(params: list[tuple[int, torch.dtype, bool]], compute_dtype: torch.dtype | None = None) -> LayerLayout:
+    """The store layout of a layer whose streamed parameters are ``params`` = ``[(numel, dtype, trainable)]``.
+
+    Trainable parameters come first; with one compute dtype every parameter starts at an element offset aligned to
+    `ALIGN_BYTES` shared by the compute copy, the master and the grad; with several, the compute copy is a byte
+    buffer with its own aligned offsets. ``compute_dtype``: the compute copy of fp32 parameters in this dtype.
+    """
+    order = [i for i, (_, _, t) in enumerate(params) if t] + [i for i, (_, _, t) in enumerate(params) if not t]
+
+    def dtype_of(dt: torch.dtype) -> torch.dtype:
+        return compute_dtype if compute_dtype is not None and dt == torch.float32 else dt
+
+    dtypes = {dtype_of(params[i][1]) for i in order}
+    single = next(iter(dtypes)) if len(dtypes) == 1 else None
+    offsets = []
+    elem = 0  # next free element in the fp32 master / grad buffers (and, for one dtype, the compute copy)
+    byte = 0  # next free byte in the compute copy (mixed dtypes only)
+    n_train = 0
+    for i in order:
+        numel, dt, trainable = params[i]
+        cdt = dtype_of(dt)
+        if single is not None:
+            elem = _align(elem, max(1, ALIGN_BYTES // single.itemsize))
+            b_off, e_off = elem * single.itemsize, elem
+            elem += numel
+        else:
+            b_off = byte = _align(byte)
+            byte += numel * cdt.itemsize
+            e_off = -1
+            if trainable:
+                e_off = elem = _align(elem, ALIGN_BYTES // 4)
+                elem += numel
+        if trainable:
+            n_train = max(n_train, e_off + numel)
+        offsets.append((b_off, e_off if trainable else -1, cdt))
+    if single is not None:
+        byte = elem * single.itemsize
+    return LayerLayout(tuple(offsets), tuple(order), _align(byte), n_train, single == torch.float32)
+
+
+# Note: [Pinned blocks are registered, not cached]
+#     PyTorch's caching host allocator (`pin_memory=True`) rounds every block up to a power of two
+#     (`CachingHostAllocator.h`): a 300 MiB layer would take 512 MiB of page-locked memory. The store instead
+#     allocates each pinned buffer as ordinary pageable memory of its exact size and page-locks it in place with
+#     ``cudaHostRegister`` (unregistered when the buffer is freed), so the pinned bytes are exactly the layout's.
+#     `torch.Tensor.is_pinned()` is True for such memory and asynchronous copies treat it as pinned.
+class _Registered:
+    """Keeps a ``cudaHostRegister``-ed host tensor page-locked; unregisters it when collected (its `LayerStore` is
+    dropped: the buffer itself goes with it)."""
+
+    def __init__(self, t: torch.Tensor):
+        self.ptr = t.data_ptr()
+        self.nbytes = t.numel() * t.element_size()
+        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
+        if int(err) != 0:
+            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {int(err)}).")
+
+    def __del__(self):
+        try:
+            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+        except Exception:  # interpreter shutdown
+            pass
+
+
+def pinned_zeros(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Tensor:
+    """A zero-filled host tensor of exactly ``n`` elements (zeros: alignment padding is copied along with the data
+    and must be defined), page-locked when ``pin``; its registration is appended to ``keep`` (Note: [Pinned blocks
+    are registered, not cached])."""
+    t = torch.zeros(n, dtype=dtype)
+    if pin and n:
+        keep.append(_Registered(t))
+    return t
+
+
+class DiskSource:
+    """Where the weights of parameters left on disk are read from (`lazytrain_hf.from_pretrained`).
+
+    ``read(names)`` returns ``{name: tensor}`` for the given canonical parameter names (as in the
+    ``*ForCausalLM`` model's ``named_parameters()``), read (and converted to the model's layout) from the files,
+    nothing else. A parameter left on disk is a meta tensor with attribute ``_lazytrain_disk = (source, name)``.
+    """
+
+    def __init__(self, read: Callable[[list[str]], dict[str, torch.Tensor]], description: str = ""):
+        self.read = read
+        self.description = description
+
+    def __repr__(self) -> str:
+        return f"DiskSource({self.description})"
+
+
+DISK_ATTR = "_lazytrain_disk"
+
+
+def disk_source(p: torch.Tensor) -> tuple[DiskSource, str] | None:
+    """``(source, name)`` of a parameter left on disk, or None."""
+    return getattr(p, DISK_ATTR, None) if p.device.type == "meta" else None
+
+
+def _swap_in(p: nn.Parameter, data: torch.Tensor) -> None:
+    """Make the meta parameter ``p`` (same Python object: modules, optimizers and hooks keep it) a host parameter
+    over ``data``: ``param.data = ...`` cannot change a meta tensor's type, `torch.utils.swap_tensors` can."""
+    torch.utils.swap_tensors(p, nn.Parameter(data, requires_grad=p.requires_grad))
+
+
+def has_disk_source(p: torch.Tensor) -> bool:
+    """The parameter is a meta tensor whose weights the host store reads from disk (`add_layer`)."""
+    return disk_source(p) is not None
 
 
 @dataclass
@@ -96,6 +243,8 @@ class LayerStore:
     resident_trainable: list[str] = field(default_factory=list)
     has_grad: bool = False
     aliased: bool = False
+    layout: LayerLayout | None = None
+    _pins: list = field(default_factory=list, repr=False)  # Note: [Pinned blocks are registered, not cached]
 
     @property
     def nbytes(self) -> int:
@@ -132,8 +281,9 @@ class HostStore:
     when that layer has no streamed parameters).
 
     Args:
-        pin_memory: allocate the compute copy, the master and the gradient buffers in pinned (page-locked) host
-            memory; needed for asynchronous copies on CUDA, meaningless on CPU.
+        pin_memory: page-lock the compute copy and the gradient buffers (the fp32 masters stay pageable), each at
+            its exact size (Note: [Pinned blocks are registered, not cached]); needed for asynchronous copies on
+            CUDA, meaningless on CPU.
     """
 
     def __init__(self, pin_memory: bool = False):
@@ -147,11 +297,6 @@ class HostStore:
             f"compute={hb['compute']}B, grad={hb['grad']}B)"
         )
 
-    def _empty(self, n: int, dtype: torch.dtype) -> torch.Tensor:
-        # zeros, not empty: alignment padding is copied along with the data and must be defined.
-        t = torch.zeros(n, dtype=dtype, pin_memory=self.pin_memory)
-        return t
-
     def add_layer(
         self,
         index: int,
@@ -160,40 +305,28 @@ class HostStore:
         resident_trainable: list[str] | None = None,
         compute_dtype: torch.dtype | None = None,
     ) -> LayerStore:
-        """Copy the given parameters of one layer into new flat host buffers.
+        """Copy the given parameters of one layer into new flat host buffers (laid out by `layer_layout`).
 
-        The parameters themselves are not modified here (the executor rebinds ``param.data`` afterwards).
         Trainable parameters are placed first so that master, grad and compute copy share element offsets.
         ``compute_dtype``: the compute copy of fp32 parameters in this dtype (bf16 training of an fp32 model: the
         fp32 master keeps the parameter's own values).
+
+        Each parameter's ``data`` is pointed at the store as soon as its values are there: at its compute view, or,
+        when the compute copy is in another dtype, at its fp32 master view (same values), so that the parameter's
+        own storage is freed layer by layer while the store is built instead of once the whole model has a second
+        copy. The executor rebinds ``param.data`` to the compute view afterwards.
+
+        Note: [A layer is read from disk into its buffers]
+            A meta parameter with a `DiskSource` (`lazytrain_hf.from_pretrained`) is read here, together with the
+            other such parameters of this layer only (one ``read`` per layer), copied into the buffers and
+            dropped: reading the whole model never holds more than one layer's tensors besides the store. Its
+            ``orig_device`` is the CPU, so `remove()` gives it its trained values on the host.
         """
-        ordered = [(n, p) for n, p in streamed if p.requires_grad] + [
-            (n, p) for n, p in streamed if not p.requires_grad
-        ]
-
-        def dtype_of(p: nn.Parameter) -> torch.dtype:
-            return compute_dtype if compute_dtype is not None and p.dtype == torch.float32 else p.dtype
-
-        dtypes = {dtype_of(p) for _, p in ordered}
-        single = next(iter(dtypes)) if len(dtypes) == 1 else None
+        layout = layer_layout([(p.numel(), p.dtype, p.requires_grad) for _, p in streamed], compute_dtype)
+        ordered = [streamed[i] for i in layout.order]
         entries: list[ParamEntry] = []
-        elem = 0  # next free element in the fp32 master / grad buffers (and, for one dtype, the compute copy)
-        byte = 0  # next free byte in the compute copy (mixed dtypes only)
-        for name, p in ordered:
-            if single is not None:
-                # One dtype: element offsets aligned so that byte offsets (elem * itemsize) are aligned too, and
-                # every parameter (frozen ones included) shares its element offset with the compute copy.
-                elem = _align(elem, max(1, ALIGN_BYTES // single.itemsize))
-                b_off, e_off = elem * single.itemsize, elem
-                elem += p.numel()
-            else:
-                b_off = byte = _align(byte)
-                byte += p.numel() * dtype_of(p).itemsize
-                e_off = -1
-                if p.requires_grad:
-                    e_off = elem = _align(elem, ALIGN_BYTES // 4)
-                    elem += p.numel()
-            dt = dtype_of(p)
+        for (name, p), (b_off, e_off, dt) in zip(ordered, layout.offsets):
+            on_disk = has_disk_source(p)
             entries.append(
                 ParamEntry(
                     name,
@@ -202,25 +335,25 @@ class HostStore:
                     dt,
                     p.requires_grad,
                     b_off,
-                    e_off if p.requires_grad else -1,
-                    p.device,
+                    e_off,
+                    torch.device("cpu") if on_disk else p.device,
                     p.dtype if dt != p.dtype else None,
                 )
             )
-        if single is not None:
-            byte = elem * single.itemsize
-        n_train = max((e.elem_offset + e.numel for e in entries if e.trainable), default=0)
-        total_bytes = _align(byte)
-        aliased = single == torch.float32
+        pins: list = []
+        n_train, aliased = layout.train_elems, layout.aliased
+        pin = self.pin_memory
         if aliased:
-            compute = self._empty(total_bytes // 4, torch.float32)
+            compute = pinned_zeros(layout.compute_bytes // 4, torch.float32, pin, pins)
             compute_bytes = compute.view(torch.uint8)
             master = compute.narrow(0, 0, n_train) if n_train else None
         else:
-            compute_bytes = self._empty(total_bytes, torch.uint8)
-            compute = compute_bytes.view(single) if single is not None else None
-            master = self._empty(n_train, torch.float32) if n_train else None
-        grad = self._empty(n_train, torch.float32) if n_train else None
+            single = {e.dtype for e in entries}
+            compute_bytes = pinned_zeros(layout.compute_bytes, torch.uint8, pin, pins)
+            compute = compute_bytes.view(next(iter(single))) if len(single) == 1 else None
+            # the masters are read and written by the host optimizer only: pageable
+            master = torch.zeros(n_train, dtype=torch.float32) if n_train else None
+        grad = pinned_zeros(n_train, torch.float32, pin, pins) if n_train else None
         ls = LayerStore(
             index=index,
             kind=kind,
@@ -231,19 +364,51 @@ class HostStore:
             grad=grad,
             resident_trainable=list(resident_trainable or []),
             aliased=aliased,
+            layout=layout,
+            _pins=pins,
         )
+        # Note: [A layer is read from disk into its buffers]
+        from_disk: dict[int, list[str]] = {}
+        sources: dict[int, DiskSource] = {}
+        for e in entries:
+            ds = disk_source(e.param)
+            if ds is not None:
+                from_disk.setdefault(id(ds[0]), []).append(ds[1])
+                sources[id(ds[0])] = ds[0]
+        loaded: dict[str, torch.Tensor] = {}
+        for key, names in from_disk.items():
+            loaded.update(sources[key].read(names))
         with torch.no_grad():
             for e in entries:
                 cv = e.view_bytes(compute_bytes)
-                cv.copy_(e.param.data)
+                ds = disk_source(e.param)
+                src = e.param.data
+                if ds is not None:
+                    src = loaded.pop(ds[1], None)
+                    if src is None or tuple(src.shape) != tuple(e.shape):
+                        raise ValueError(
+                            f"the weights of {e.name!r} ({ds[0]!r}) have shape "
+                            f"{None if src is None else tuple(src.shape)}, the model expects {tuple(e.shape)}; "
+                            "the checkpoint was written for another model configuration."
+                        )
+                    if src.dtype != (e.orig_dtype or e.dtype):
+                        src = src.to(e.orig_dtype or e.dtype)  # as from_pretrained(dtype=...) casts
+                cv.copy_(src)
                 ls.compute_views[e.name] = cv
                 ls.params[e.name] = e.param
                 if e.trainable:
                     mv = master.narrow(0, e.elem_offset, e.numel).view(e.shape)
                     if not aliased:
-                        mv.copy_(e.param.data)
+                        mv.copy_(src)
                     ls.master_views[e.name] = mv
                     ls.grad_views[e.name] = grad.narrow(0, e.elem_offset, e.numel).view(e.shape)
+                # the parameter's own storage is released now (same values); a meta parameter becomes a host one
+                target = cv if e.orig_dtype is None else ls.master_views.get(e.name)
+                if ds is not None:
+                    _swap_in(e.param, cv if target is None else target)
+                elif target is not None:
+                    e.param.data = target
+                del src
         self.layers[index] = ls
         return ls
 
