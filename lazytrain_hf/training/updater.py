@@ -107,6 +107,8 @@ class LayerwiseUpdater:
         self.handle.mark_resident_released()
         opt = self.optimizer
         frozen = [{k: v for k, v in g.items()} for g in opt.param_groups]
+        trace = self.handle.trace
+        step = trace.step_index  # this update's transfers belong to the step that produced the gradients
         # take the gradients over now (Note: [Update before fetch])
         resident = []
         for _, p, master in self.resident:
@@ -114,6 +116,8 @@ class LayerwiseUpdater:
             if g is not None and id(master) in self._aliased:
                 master.grad = g  # the model's `.grad` may be cleared now: the alias keeps the tensor
             else:
+                if g is not None:
+                    trace.transfer("d2h", g.numel() * g.element_size(), g.dtype, None, "grad")
                 master.grad = None if g is None else g.detach().to("cpu", torch.float32)
             resident.append((p, master))
         layers = []
@@ -124,7 +128,7 @@ class LayerwiseUpdater:
             layers.append((i, [m for _, m, _ in entries]))
             self._events[i].clear()
         self._resident_done.clear()
-        work = (frozen, resident, layers, clip_coef)
+        work = (frozen, resident, layers, clip_coef, step)
         if self.overlap:
             self._thread = threading.Thread(target=self._work, args=work, name="lazytrain-optimizer", daemon=True)
             self._thread.start()
@@ -150,16 +154,23 @@ class LayerwiseUpdater:
             opt._update(p, frozen[gi], j, 1.0 if clip is None else float(clip), None if outs is None else outs[k])
         return written
 
-    def _work(self, frozen, resident, layers, clip) -> None:
+    def _work(self, frozen, resident, layers, clip, step) -> None:
+        trace = self.handle.trace
+        clock = trace.clock
         try:
-            with torch.no_grad():
+            with torch.no_grad(), trace.in_step(step):
+                t0 = clock()
                 self._update(frozen, [m for _, m in resident], clip)
                 for p, master in resident:
                     if id(master) not in self._aliased:
+                        if master.grad is not None:
+                            trace.transfer("h2d", p.numel() * p.element_size(), p.dtype, None, "upload")
                         p.data.copy_(master, non_blocking=True)
                     master.grad = None
+                trace.update("resident", t0, clock())
                 self._resident_done.set()
                 for i, params in layers:
+                    t0 = clock()
                     outs = self._outs[i]
                     if outs is not None:
                         self.handle.engine.wait_host_reads(i)  # Note: [The compute copy is written in the fused pass]
@@ -167,6 +178,7 @@ class LayerwiseUpdater:
                     for m in params:
                         m.grad = None
                     self.handle.sync_compute(i, compute_written=written)
+                    trace.update(i, t0, clock())
                     self._events[i].set()
         except BaseException as e:  # surfaced to the training thread by the next wait
             self._error = e
