@@ -259,34 +259,114 @@ def saved_activation_bytes(
 
 
 # ------------------------------------------------------------------------------------------------ FLOPs
-def layer_forward_flops(config: Any, kind: str, B: int, T: int) -> float:
-    """Forward FLOPs of one decoder layer (GEMMs + attention core; norms and elementwise ops neglected)."""
+# Eager kernels per layer forward (backward runs about twice as many), counted from the transformers 5 modules:
+# two RMSNorms (6 each), q/k/v/o projections, q/k norms, rotary (8), SDPA, residual adds, the SwiGLU MLP (5). The
+# torch chunked delta rule adds its per-chunk loop (~12 ops per chunk) and the chunk_size - 1 = 63 steps of its
+# triangular solve (3 ops each); the routed MoE block ~25 (router, top-k, sort, grouped GEMMs, scatter).
+_KERNELS_FULL_ATTENTION = 45
+_KERNELS_LINEAR_ATTENTION = 60 + 3 * (DELTA_RULE_CHUNK - 1)
+_KERNELS_LINEAR_ATTENTION_PER_CHUNK = 12
+_KERNELS_MLP = 5
+_KERNELS_MOE = 25
+# Memory-bound traffic per byte saved for backward: a saved tensor is written by its producer and read by its
+# consumer in forward (2x); backward reads it once and writes and reads an activation gradient of its size (3x).
+# The saved bytes are exact (checked against autograd), so this counts the norms, activations, casts, softmax and
+# the fp32 delta-rule elementwise work of each layer kind through one audited figure.
+MEMORY_PASSES_FWD = 2.0
+MEMORY_PASSES_BWD = 3.0
+
+
+def layer_compute_terms(
+    config: Any, kind: str, B: int, T: int, db: int = 2, attn_impl: str = "sdpa"
+) -> dict[str, float]:
+    """Forward work of one decoder layer split by compute class (`hardware.COMPUTE_CLASSES`), plus its
+    memory-bound bytes and kernel count.
+
+    Returns:
+        ``{"gemm", "attention", "linear_attention", "moe"}``: forward FLOPs of each class (backward is 2x);
+        ``"memory_fwd"`` / ``"memory_bwd"``: bytes of memory-bound passes (``MEMORY_PASSES_* x A``);
+        ``"kernels"``: eager kernels of the forward.
+    """
     m = _dims(config)
     d = m["d"]
     N = B * T
     attn, _, moe = kind.partition("+")
+    gemm = attention = linear = experts = 0.0
     if attn == "full_attention":
         q_out = m["hq"] * (2 if _gated_attention(config) else 1)
-        f = 2 * N * d * (q_out + 2 * m["hkv"]) + 2 * N * m["hq"] * d
-        f += 2 * B * m["H"] * T * T * m["hd"]  # QK^T and AV (2 * 2 * B * H * T^2 * hd), halved by the causal mask
+        gemm += 2 * N * d * (q_out + 2 * m["hkv"]) + 2 * N * m["hq"] * d
+        attention += 2 * B * m["H"] * T * T * m["hd"]  # QK^T and AV (2 * 2 * B * H * T^2 * hd), causal: halved
+        kernels = _KERNELS_FULL_ATTENTION
     else:
         ld = _linear_dims(config)
         C = DELTA_RULE_CHUNK
         Tp = -(-T // C) * C
-        f = 2 * N * d * (ld["conv"] + ld["vd"] + 2 * ld["Hv"]) + 2 * N * ld["vd"] * d + 2 * N * ld["conv"] * ld["K"]
+        gemm += 2 * N * d * (ld["conv"] + ld["vd"] + 2 * ld["Hv"]) + 2 * N * ld["vd"] * d + 2 * N * ld["conv"] * ld["K"]
         # chunked delta rule per token and head: intra-chunk kk^T, qk^T, two triangular solves, attn @ v_new,
         # and the state read / update (k_cumdecay @ S, q @ S, k^T @ v_new)
-        f += B * Tp * ld["Hv"] * (C * (5 * ld["dk"] + 3 * ld["dv"]) + 6 * ld["dk"] * ld["dv"])
+        linear += B * Tp * ld["Hv"] * (C * (5 * ld["dk"] + 3 * ld["dv"]) + 6 * ld["dk"] * ld["dv"])
+        kernels = _KERNELS_LINEAR_ATTENTION + _KERNELS_LINEAR_ATTENTION_PER_CHUNK * (Tp // C)
     if moe:
         E = _num_experts(config)
         k = int(config.num_experts_per_tok)
-        f += 2 * N * d * E + 6 * N * k * d * int(config.moe_intermediate_size)
+        gemm += 2 * N * d * E  # router
+        experts += 6 * N * k * d * int(config.moe_intermediate_size)
         Is = _shared_expert_size(config)
         if Is:
-            f += 6 * N * d * Is + 2 * N * d
+            gemm += 6 * N * d * Is + 2 * N * d
+        kernels += _KERNELS_MOE
     else:
-        f += 6 * N * d * int(config.intermediate_size)
-    return float(f)
+        gemm += 6 * N * d * int(config.intermediate_size)
+        kernels += _KERNELS_MLP
+    A = layer_saved_bytes(config, kind, B, T, db, attn_impl)
+    return {
+        "gemm": float(gemm),
+        "attention": float(attention),
+        "linear_attention": float(linear),
+        "moe": float(experts),
+        "memory_fwd": MEMORY_PASSES_FWD * A,
+        "memory_bwd": MEMORY_PASSES_BWD * A,
+        "kernels": float(kernels),
+    }
+
+
+def layer_forward_flops(config: Any, kind: str, B: int, T: int) -> float:
+    """Forward FLOPs of one decoder layer (GEMMs + attention core; norms and elementwise ops neglected)."""
+    t = layer_compute_terms(config, kind, B, T)
+    return t["gemm"] + t["attention"] + t["linear_attention"] + t["moe"]
+
+
+def layer_seconds(terms: dict[str, float], hardware: HardwareProfile) -> tuple[float, float]:
+    """Forward and backward seconds of one layer from its `layer_compute_terms` on ``hardware``.
+
+    ``f = sum_k F_k / (P eta_k) + memory_fwd / BW_mem + n t_kernel`` over the compute classes ``k``; backward
+    ``2 F_k`` per class (the attention core at ``eta_attention_bwd``), ``memory_bwd / BW_mem`` and ``2 n`` kernels.
+    Terms whose rate the profile does not model (``BW_mem`` or ``t_kernel`` 0) count nothing.
+    """
+    hw = hardware
+    core = sum(terms[k] / hw.rate(k) for k in ("gemm", "linear_attention", "moe") if terms[k])
+    attn_f = terms["attention"] / hw.rate("attention") if terms["attention"] else 0.0
+    attn_b = 2 * terms["attention"] / hw.rate("attention_bwd") if terms["attention"] else 0.0
+    bw = hw.memory_bytes_per_s
+    mem_f = terms["memory_fwd"] / bw if bw else 0.0
+    mem_b = terms["memory_bwd"] / bw if bw else 0.0
+    k = terms["kernels"] * hw.kernel_overhead_s
+    return core + attn_f + mem_f + k, 2 * core + attn_b + mem_b + 2 * k
+
+
+def head_seconds(N: int, d: int, V: int, db: int, loss_chunk_tokens: int, hardware: HardwareProfile) -> float:
+    """Final norm + lm_head + chunked cross entropy, forward and backward.
+
+    GEMMs ``6 N d V`` at the dense rate; memory-bound per token and vocabulary entry: the logits written in the
+    compute dtype, upcast to fp32, read by logsumexp, the fp32 gradient written and cast back, read by the two
+    backward GEMMs (``2 db + 4 * 4`` bytes); kernels: ~20 per chunk.
+    """
+    hw = hardware
+    t = 6 * N * d * V / hw.rate("gemm")
+    if hw.memory_bytes_per_s:
+        t += N * V * (2 * db + 4 * FP32) / hw.memory_bytes_per_s
+    t += 20 * -(-N // max(1, loss_chunk_tokens)) * hw.kernel_overhead_s
+    return t
 
 
 # ------------------------------------------------------------------------------------------------ cost model
@@ -349,6 +429,7 @@ class CostModel:
     head_ws_bytes: int  # chunked-loss working set (one chunk's logits, fp32 copy and gradient) + hidden states
     config: Any = field(default=None, repr=False)
     measured: bool = False
+    serial_lanes: bool = False  # Note: [Serial lanes on the CPU device] (hardware.py): lanes add, never overlap
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -385,11 +466,12 @@ class CostModel:
         N = B * T
         m = _dims(config)
         d, V = m["d"], m["V"]
-        rate = hardware.flops_per_s
         layers = []
         for i, kind in enumerate(layer_kinds(config)):
             p = layer_param_count(config, kind)
-            flops = layer_forward_flops(config, kind, B, T)
+            terms = layer_compute_terms(config, kind, B, T, dtype_bytes, attn_implementation)
+            flops = terms["gemm"] + terms["attention"] + terms["linear_attention"] + terms["moe"]
+            fwd_s, bwd_s = layer_seconds(terms, hardware)
             x = N * d * dtype_bytes
             act_inner = _inner_width(config, kind) * (int(config.num_experts_per_tok) if "+moe" in kind else 1)
             eager_probs = B * m["H"] * T * T * FP32 if (attn_implementation == "eager" and "full" in kind) else 0
@@ -403,8 +485,8 @@ class CostModel:
                     input_bytes=x,
                     saved_bytes=layer_saved_bytes(config, kind, B, T, dtype_bytes, attn_implementation),
                     flops_fwd=flops,
-                    fwd_s=flops / rate,
-                    bwd_s=2 * flops / rate,
+                    fwd_s=fwd_s,
+                    bwd_s=bwd_s,
                     # in + out hidden states and one gate/up pair in flight (what a recomputed forward holds)
                     ws_fwd_bytes=2 * x + 2 * N * act_inner * dtype_bytes + eager_probs,
                     # gradient in/out, fp32 norm upcast, gate/up gradients beside the recomputed pair
@@ -433,9 +515,10 @@ class CostModel:
             embed_params=embed_params,
             head_params=head_params,
             head_flops=float(head_flops),
-            head_s=head_flops / rate,
+            head_s=head_seconds(N, d, V, dtype_bytes, loss_chunk_tokens, hardware),
             head_ws_bytes=int(head_ws),
             config=config,
+            serial_lanes=hardware.serial_lanes,
         )
         if hardware.layer_times and hardware.layer_times_shape:
             cm = cm._with_profile_layer_times()
@@ -528,8 +611,14 @@ class CostModel:
 
     @property
     def host_state_bytes(self) -> int:
-        """Host memory of the model state: fp32 master, compute copy, fp32 grads, 8-bit moments and their scales."""
-        return int(self.total_params * (_HOST_STATE_FIXED + self.dtype_bytes))
+        """Peak host memory of a run besides its pinned activation buffers (`lazytrain_hf.planner.hostmem`): fp32
+        masters, compute copy, fp32 grads, 8-bit moments and their scales, resident parameters' gradient copies,
+        gradient staging and the checkpoint-save transient (the larger of the step and save peaks), every parameter
+        trainable, embeddings resident (`hostmem.counts_footprint`)."""
+        from .hostmem import counts_footprint
+
+        fp = counts_footprint([lc.params for lc in self.layers], self.embed_params, self.head_params, self.dtype_bytes)
+        return int(max(fp.total, fp.save_peak) - fp.activations)
 
     @property
     def model_flops(self) -> float:

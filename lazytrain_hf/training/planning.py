@@ -146,6 +146,18 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     return plan, cm
 
 
+def predict_bytes(plan, model: torch.nn.Module, args: Any, compute_dtype: torch.dtype | None = None) -> dict[str, int]:
+    """Set ``plan.predicted["bytes_per_step"]``: bytes per lane of one optimizer step
+    (``args.gradient_accumulation_steps`` micro-batches of ``plan.micro_batch_size`` x ``plan.seq_len`` tokens),
+    exact for ``model`` (`lazytrain_hf.planner.schedule`); the executor's trace must show the same."""
+    from ..planner import schedule
+
+    sizes = schedule.sizes_from_model(model, plan, compute_dtype=compute_dtype, device=args.device)
+    out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)))
+    plan.predicted["bytes_per_step"] = out
+    return out
+
+
 def save_plan(plan, cost_model, output_dir: str) -> None:
     """Write the plan (JSON) and its simulated timeline (PNG, when matplotlib is installed) to ``output_dir``."""
     write_plan(plan, output_dir)
@@ -207,51 +219,123 @@ def check_plan_fits(
         )
 
 
-def check_host_memory(
-    plan, model: torch.nn.Module, hybrid_8bit: bool, compute_dtype: torch.dtype | None = None
-) -> None:
-    """Refuse a run whose host store, optimizer state (8-bit moments with ``hybrid_8bit``, else fp32) and pinned
-    activation buffers would not fit in the host memory available now, with the numbers and what would fit.
-    ``compute_dtype``: the compute copy's dtype when it is not the parameters' own (``bf16=True``)."""
-    params = list(model.parameters())
-    n_train = sum(p.numel() for p in params if p.requires_grad)
-    n_all = sum(p.numel() for p in params)
-    dtype = compute_dtype or (params[0].dtype if params else torch.float32)
-    master = 0 if dtype == torch.float32 else 4 * n_train  # fp32 compute copies are the master (aliased)
-    grads = 4 * n_train
-    optim = 2 * n_train if hybrid_8bit else 8 * n_train
-    pinned = int(plan.predicted.get("pinned_host_bytes", 0) or 0)
-    fixed = master + grads + optim
+# Host RAM left to the rest of the system when planner_host_budget is not set: 5% of the machine, at least 1 GiB.
+HOST_RESERVE_FRACTION = 0.05
+HOST_RESERVE_MIN_BYTES = 1 << 30
+
+
+def default_host_budget() -> int | None:
+    """Available host RAM (MemAvailable) minus the reserve (`HOST_RESERVE_FRACTION` of MemTotal, at least
+    `HOST_RESERVE_MIN_BYTES`); None where /proc/meminfo is unreadable (not checked)."""
     available = _available_host_bytes()
-    if available is None or fixed + pinned <= available:
+    if available is None:
+        return None
+    return max(0, available - host_reserve_bytes())
+
+
+def host_reserve_bytes() -> int:
+    """The host RAM `default_host_budget` leaves to the system."""
+    return max(HOST_RESERVE_MIN_BYTES, int(HOST_RESERVE_FRACTION * _meminfo().get("MemTotal", 0)))
+
+
+def host_footprint(
+    plan,
+    model: torch.nn.Module,
+    hybrid_8bit: bool = True,
+    compute_dtype: torch.dtype | None = None,
+    args: Any = None,
+):
+    """The `lazytrain_hf.planner.hostmem.HostFootprint` of training ``model`` with ``plan`` (None: the default plan
+    of ``args``, as before the warm-up) and the `LazyTrainingArguments` ``args`` (device, gradient accumulation,
+    8-bit block layout; None: a CUDA device, no accumulation, the optimizer's defaults). Reads shapes, dtypes and
+    ``requires_grad`` only, so meta parameters (`lazytrain_hf.from_pretrained`) work."""
+    from ..planner import hostmem
+    from ..planner.plan import Plan
+
+    base = unwrap_base(model)
+    if plan is None:
+        kinds = models.layer_kinds(base.config)
+        plan = Plan.default(
+            len(kinds), kinds, stream_embeddings=bool(getattr(args, "stream_embeddings", False)), model=""
+        )
+    kw: dict[str, Any] = {}
+    if args is not None:
+        kw = dict(
+            device=str(args.device),
+            gradient_accumulation_steps=int(args.gradient_accumulation_steps),
+            block_size=int(getattr(args, "optim_block_size", hostmem.DEFAULT_BLOCK_SIZE)),
+            min_8bit_size=int(getattr(args, "optim_min_8bit_size", hostmem.DEFAULT_MIN_8BIT_SIZE)),
+        )
+    return hostmem.run_footprint(model, plan, compute_dtype=compute_dtype, hybrid_8bit=hybrid_8bit, **kw)
+
+
+def check_host_memory(
+    plan,
+    model: torch.nn.Module,
+    hybrid_8bit: bool,
+    compute_dtype: torch.dtype | None = None,
+    args: Any = None,
+    budget: int | None = None,
+) -> None:
+    """Refuse, before anything is allocated, a run whose whole host footprint (`host_footprint`: fp32 masters,
+    compute copy, gradients, optimizer state, resident parameters' host bytes, pinned activation buffers, gradient
+    staging, and the checkpoint-save transient) exceeds the host budget, with every term and what would fit.
+
+    ``plan`` None checks the default plan (before the warm-up and the solve, which allocate the host store
+    themselves); ``compute_dtype``: the compute copy's dtype when it is not the parameters' own (``bf16=True``).
+    The budget: ``budget``, else ``args.planner_host_budget``, else `default_host_budget` (available RAM minus a
+    reserve)."""
+    fp = host_footprint(plan, model, hybrid_8bit=hybrid_8bit, compute_dtype=compute_dtype, args=args)
+    given = budget if budget is not None else getattr(args, "planner_host_budget", None)
+    limit = int(given) if given is not None else default_host_budget()
+    need = max(fp.total, fp.save_peak)
+    if limit is None or need <= limit:
         return
-    per_seq = pinned / max(1, plan.micro_batch_size)
-    fits = int((available - fixed) // per_seq) if per_seq and available > fixed else 0
-    hint = (
-        f"per_device_train_batch_size <= {fits} fits"
-        if fits >= 1
-        else f"even batch 1 does not fit: the model itself needs {format_bytes(fixed)} ({n_all} parameters); "
-        "train LoRA adapters (frozen weights need no gradients or optimizer state) or use a larger machine"
+    source = (
+        "planner_host_budget"
+        if given is not None
+        else f"the available host memory ({_available_host_bytes()} bytes) minus a reserve of "
+        f"{format_bytes(host_reserve_bytes())}"
     )
+    mbs = plan.micro_batch_size if plan is not None else None
+    rest = need - fp.activations
+    if fp.activations and rest <= limit:
+        per_seq = fp.activations / max(1, mbs or 1)
+        fits = int((limit - rest) // per_seq) if per_seq else 0
+        hint = (
+            f"per_device_train_batch_size <= {fits} fits" if fits >= 1 else "the pinned activations do not fit"
+        ) + "; or allow the nvme tier (activation_tiers, activation_nvme_dir) so activations leave host memory"
+    else:
+        n_all = sum(p.numel() for p in model.parameters())
+        hint = (
+            f"even batch 1 does not fit: the model state alone needs {format_bytes(rest)} ({n_all} parameters): train LoRA adapters (frozen "
+            "weights need no master, gradients or optimizer state), use bf16 weights, or a larger machine"
+        )
     raise ValueError(
-        f"host memory: this run needs {fixed + pinned} bytes ({format_bytes(fixed + pinned)}): fp32 master "
-        f"{format_bytes(master)}, gradients {format_bytes(grads)}, optimizer state {format_bytes(optim)}, pinned "
-        f"activations {format_bytes(pinned)} at micro-batch {plan.micro_batch_size}; only {available} bytes "
-        f"({format_bytes(available)}) are available. {hint}; or set planner_host_budget / allow the nvme tier "
-        "(activation_tiers) so activations leave host memory."
+        f"host memory: this run needs {need} bytes ({format_bytes(need)}) at its peak ({fp.describe()}"
+        f"{f', micro-batch {mbs}' if mbs else ''}) but {source} is {limit} bytes ({format_bytes(limit)}). {hint}; "
+        "or set planner_host_budget to what this machine can give."
     )
+
+
+def _meminfo() -> dict[str, int]:
+    """/proc/meminfo in bytes (Linux), else {}."""
+    out: dict[str, int] = {}
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                key, _, rest = line.partition(":")
+                parts = rest.split()
+                if parts and parts[0].isdigit():
+                    out[key] = int(parts[0]) * 1024
+    except OSError:
+        return {}
+    return out
 
 
 def _available_host_bytes() -> int | None:
     """MemAvailable from /proc/meminfo (Linux), else None (not checked)."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        return None
-    return None
+    return _meminfo().get("MemAvailable")
 
 
 def _existing_parent(path: str) -> str:

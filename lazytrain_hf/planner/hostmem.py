@@ -1,0 +1,306 @@
+"""Host memory of a LazyTrain run, term by term, from the model's parameters (or their counts) and the plan.
+
+One function, `host_footprint`, gives every term of what a run holds in host RAM; `HostFootprint.total` is the peak
+over a training step and `HostFootprint.save_peak` the peak over a checkpoint save. The terms (``n`` elements of a
+tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block size):
+
+- ``masters``: fp32 masters that are not the compute copy, pageable: streamed layers whose compute copy is not
+  fp32 (4 B per trainable element, `layer_layout`), and the fp32 host masters of resident trainable parameters
+  that are not themselves fp32 CPU tensors (`LayerwiseUpdater`);
+- ``compute``: the streamed layers' compute copies, alignment padding included (`layer_layout`): the pinned fetch
+  source on CUDA. For an fp32 model it *is* the master (Note: [Compute copy aliases the fp32 master]);
+- ``grads``: fp32 gradient accumulators of the streamed trainable parameters (4 B per element, padding included);
+- ``optimizer``: `HybridAdamW8bit` state per optimizer tensor (one per trainable parameter): ``2 * (n + 4 *
+  ceil(n / bs))`` for tensors of at least ``min_8bit_size`` elements (uint8 codes + fp32 absmax of m and v,
+  `Quantized8bit`), ``8 * n`` below (fp32 m and v), as `HybridAdamW8bit.state_bytes` counts it; ``8 * n`` for
+  every tensor with torch AdamW (``hybrid_8bit=False``);
+- ``activations``: the plan's pinned activation buffers (``plan.predicted["pinned_host_bytes"]``);
+- ``staging``: gradient staging with gradient accumulation: micro-batches after the first copy a layer's device
+  gradient into host staging before adding it to the accumulator (Note: [Host accumulators are read only after
+  their copy landed], streaming/engine.py); bounded by `GRAD_STAGING_LAYERS` layers of gradients in the compute
+  dtype;
+- ``resident``: host bytes of the parameters that are not streamed: their fp32 gradient copies the optimizer takes
+  at each step on CUDA (``4 * n``); on a CPU device the parameters, their gradients and the plan-resident layers'
+  dedicated slots live in host RAM too, and so do the streamed layers' slot pools (``device_on_host``);
+- ``checkpoint``: the transient of a save, written layer by layer from the host store (Note: [Checkpoints are
+  streamed from the host store], training/checkpoints.py): at most one unit's tensors materialised at once.
+
+Not counted: the model's own tensors before the store replaces them (each streamed parameter's storage is released
+as its layer is stored), Python and library overhead, the activations of one layer's forward on a CPU device.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..streaming.store import ALIGN_BYTES, _align, layer_layout
+
+# Gradient staging in flight at once with gradient accumulation (the bound the engine's staging keeps): two layers
+# of device gradients in the compute dtype, one being copied while the previous one is added on the host.
+GRAD_STAGING_LAYERS = 2
+# The 8-bit state layout of HybridAdamW8bit's defaults (block 256, fp32 moments below 4096 elements, as bitsandbytes)
+DEFAULT_BLOCK_SIZE = 256
+DEFAULT_MIN_8BIT_SIZE = 4096
+
+
+TERM_NAMES = {
+    "masters": "fp32 masters",
+    "compute": "compute copy",
+    "grads": "gradients",
+    "optimizer": "optimizer state",
+    "activations": "pinned activations",
+    "staging": "gradient staging",
+    "resident": "resident parameters' gradient copies",
+    "device_on_host": "device memory in host RAM (CPU device)",
+    "checkpoint": "checkpoint-save transient",
+}
+
+
+@dataclass
+class HostFootprint:
+    """Host bytes of a run, per term (see the module docstring); `total` is the training-step peak."""
+
+    masters: int = 0
+    compute: int = 0
+    grads: int = 0
+    optimizer: int = 0
+    activations: int = 0
+    staging: int = 0
+    resident: int = 0
+    device_on_host: int = 0
+    checkpoint: int = 0
+
+    @property
+    def state(self) -> int:
+        """The model state: masters, compute copy, gradients, optimizer state and resident parameters' host bytes."""
+        return self.masters + self.compute + self.grads + self.optimizer + self.resident
+
+    @property
+    def total(self) -> int:
+        """Peak host bytes over a training step: the state, pinned activations, staging and (CPU) device memory."""
+        return self.state + self.activations + self.staging + self.device_on_host
+
+    @property
+    def save_peak(self) -> int:
+        """Peak host bytes over a checkpoint save (after a step): `total` without staging, plus the save transient."""
+        return self.total - self.staging + self.checkpoint
+
+    def as_dict(self) -> dict[str, int]:
+        return {**asdict(self), "state": self.state, "total": self.total, "save_peak": self.save_peak}
+
+    def describe(self) -> str:
+        from ..units import format_bytes
+
+        parts = [f"{TERM_NAMES[k]} {format_bytes(v)}" for k, v in asdict(self).items() if v]
+        return ", ".join(parts) or "nothing"
+
+
+@dataclass
+class Unit:
+    """A group of parameters stored together: a streamed layer (or the streamed embedding / head) or the resident
+    parameters. ``tensors``: ``[(numel, dtype, trainable)]``."""
+
+    tensors: list[tuple[int, torch.dtype, bool]]
+    streamed: bool
+    plan_resident: bool = False  # a streamed layer the plan keeps on the device (dedicated slot)
+    kind: str = ""
+
+
+def optimizer_state_bytes(
+    numels: list[int], hybrid_8bit: bool = True, block_size: int = DEFAULT_BLOCK_SIZE, min_8bit_size: int = 4096
+) -> int:
+    """Optimizer-state bytes of tensors of ``numels`` elements, as `HybridAdamW8bit.state_bytes` counts them."""
+    total = 0
+    for n in numels:
+        if hybrid_8bit and n >= min_8bit_size:
+            total += 2 * (n + 4 * math.ceil(n / block_size))
+        else:
+            total += 2 * 4 * n
+    return total
+
+
+def host_footprint(
+    units: list[Unit],
+    *,
+    compute_dtype: torch.dtype | None = None,
+    device_type: str = "cuda",
+    hybrid_8bit: bool = True,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
+    gradient_accumulation_steps: int = 1,
+    pinned_activation_bytes: int = 0,
+    pool_slots: dict[str, int] | None = None,
+) -> HostFootprint:
+    """Every term of the run's host footprint (module docstring) for parameters grouped as ``units``.
+
+    Args:
+        units: the streamed units and the resident parameters (`units_of_model`, or counts for a config).
+        compute_dtype: the compute copy's dtype for fp32 parameters when it is not their own (``bf16=True``).
+        device_type: ``"cuda"`` or ``"cpu"``; on a CPU device, device memory (resident parameters, their gradients,
+            slots) is host memory and counted too.
+        hybrid_8bit, block_size, min_8bit_size: the optimizer and its 8-bit state layout.
+        gradient_accumulation_steps: above 1, gradient staging is needed.
+        pinned_activation_bytes: the plan's pinned activation buffers.
+        pool_slots: per layer kind, the number of slots of its pool (CPU device only; `slot_pool_sizes`).
+    """
+    fp = HostFootprint(activations=int(pinned_activation_bytes))
+    cpu = device_type == "cpu"
+    max_unit, max_grad_compute = 0, 0
+    slot_bytes: dict[str, int] = {}
+    for u in units:
+        trainable = [n for n, _, t in u.tensors if t]
+        fp.optimizer += optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
+        in_compute = lay_dtypes(u.tensors, compute_dtype)
+        if u.streamed:
+            lay = layer_layout(u.tensors, compute_dtype)
+            fp.compute += lay.compute_bytes
+            fp.masters += lay.master_bytes
+            fp.grads += lay.grad_bytes
+            max_unit = max(max_unit, lay.compute_bytes)
+            max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
+            if cpu:
+                nb = _align(lay.compute_bytes, ALIGN_BYTES)
+                if u.plan_resident:
+                    fp.device_on_host += nb  # its dedicated slot
+                else:
+                    slot_bytes[u.kind] = max(slot_bytes.get(u.kind, 0), nb)
+            continue
+        # resident parameters (streaming/binder.py phase 3; training/updater.py's masters)
+        for (n, dt, t), (_, cdt, _) in zip(u.tensors, in_compute):
+            cast = cdt != dt  # Note: [A bf16 compute copy of an fp32 model]: the fp32 original stays on the host
+            if cast:
+                fp.masters += 4 * n
+            elif t and not (cpu and dt == torch.float32):
+                fp.masters += 4 * n  # an fp32 host master (an fp32 CPU parameter is its own master)
+            if t and (cast or not (cpu and dt == torch.float32)):
+                fp.resident += 4 * n  # the fp32 host copy of its gradient the optimizer takes at each step
+            if cpu:
+                fp.device_on_host += n * cdt.itemsize * (2 if t else 1)  # the parameter and its .grad
+            max_unit = max(max_unit, n * cdt.itemsize)
+    if cpu and pool_slots:
+        fp.device_on_host += sum(slot_bytes.get(k, 0) * c for k, c in pool_slots.items())
+    if gradient_accumulation_steps > 1:
+        fp.staging = GRAD_STAGING_LAYERS * max_grad_compute
+    fp.checkpoint = max_unit
+    return fp
+
+
+def lay_dtypes(
+    tensors: list[tuple[int, torch.dtype, bool]], compute_dtype: torch.dtype | None
+) -> list[tuple[int, torch.dtype, bool]]:
+    """``tensors`` with each dtype replaced by its compute dtype."""
+    return [(n, compute_dtype if compute_dtype is not None and d == torch.float32 else d, t) for n, d, t in tensors]
+
+
+# ---------------------------------------------------------------------- from a model and a plan
+def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
+    """The parameters of ``model`` grouped as the executor stores them under ``plan`` (streaming/binder.py's split:
+    a layer's trainable parameters stay resident when they are under `RESIDENT_TRAINABLE_FRACTION` of a partly
+    frozen layer; with ``plan.stream_embeddings`` the embedding and final norm + lm_head are units too, a tied
+    lm_head belonging to the embedding)."""
+    from .. import models
+    from ..streaming.binder import RESIDENT_TRAINABLE_FRACTION, hf_root
+
+    root = hf_root(model)
+    layers = models.decoder_layers(root)
+    units: list[Unit] = []
+    seen: set[int] = set()
+    lps = plan.layers if plan is not None else [None] * len(layers)
+    for layer, lp in zip(layers, lps):
+        params = list(layer.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        n_train = sum(p.numel() for p in trainable)
+        n_all = sum(p.numel() for p in params)
+        keep_train = bool(frozen) and bool(trainable) and n_train < RESIDENT_TRAINABLE_FRACTION * n_all
+        streamed = frozen if keep_train else params
+        seen.update(id(p) for p in streamed)
+        if streamed:
+            units.append(
+                Unit(
+                    [(p.numel(), p.dtype, p.requires_grad) for p in streamed],
+                    True,
+                    bool(lp is not None and lp.resident),
+                    lp.kind if lp is not None else "",
+                )
+            )
+    if plan is not None and plan.stream_embeddings:
+        embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)
+        e = list(embed.parameters())
+        ids = {id(p) for p in e}
+        h = list(norm.parameters()) + [p for p in head.parameters() if id(p) not in ids]
+        for ps, kind in ((e, "embed"), (h, "head")):
+            if ps:
+                seen.update(id(p) for p in ps)
+                units.append(Unit([(p.numel(), p.dtype, p.requires_grad) for p in ps], True, False, kind))
+    rest = [p for p in _unique_parameters(model) if id(p) not in seen]
+    units.append(Unit([(p.numel(), p.dtype, p.requires_grad) for p in rest], False))
+    return units
+
+
+def _unique_parameters(model: torch.nn.Module) -> list[torch.nn.Parameter]:
+    out, ids = [], set()
+    for p in model.parameters():
+        if id(p) not in ids:
+            ids.add(id(p))
+            out.append(p)
+    return out
+
+
+def slot_pool_sizes(plan, units: list[Unit]) -> dict[str, int]:
+    """Slots per pool kind as the binder sizes them (streaming/binder.py, phase 2), for the CPU-device term."""
+    if plan is None:
+        return {}
+    by_kind: dict[str, list] = {}
+    for u, lp in zip([u for u in units if u.streamed and u.kind not in ("embed", "head")], plan.layers):
+        if not u.plan_resident:
+            by_kind.setdefault(u.kind, []).append(lp)
+    out = {}
+    for kind, lps in by_kind.items():
+        depth = max(max(lp.fetch_fwd_ahead, lp.fetch_bwd_ahead) for lp in lps)
+        bwd_depth = max(lp.fetch_bwd_ahead for lp in lps)
+        extra = min(2, max(0, plan.checkpoint_every - 1 - bwd_depth))
+        out[kind] = min(len(lps), max(1, depth) + 1 + extra)
+    return out
+
+
+def run_footprint(
+    model: torch.nn.Module,
+    plan,
+    *,
+    compute_dtype: torch.dtype | None = None,
+    device: str | torch.device = "cuda",
+    hybrid_8bit: bool = True,
+    block_size: int = DEFAULT_BLOCK_SIZE,
+    min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
+    gradient_accumulation_steps: int = 1,
+) -> HostFootprint:
+    """`host_footprint` of training ``model`` streamed with ``plan`` (parameters may be meta: only shapes, dtypes
+    and ``requires_grad`` are read)."""
+    units = units_of_model(model, plan)
+    device_type = torch.device(device).type
+    pinned = int((plan.predicted or {}).get("pinned_host_bytes", 0) or 0) if plan is not None else 0
+    return host_footprint(
+        units,
+        compute_dtype=compute_dtype,
+        device_type=device_type,
+        hybrid_8bit=hybrid_8bit,
+        block_size=block_size,
+        min_8bit_size=min_8bit_size,
+        gradient_accumulation_steps=gradient_accumulation_steps,
+        pinned_activation_bytes=pinned,
+        pool_slots=slot_pool_sizes(plan, units) if device_type == "cpu" else None,
+    )
+
+
+def counts_footprint(layer_params: list[int], embed_params: int, head_params: int, dtype_bytes: int) -> HostFootprint:
+    """`host_footprint` from parameter counts (the cost model, no weights): every parameter trainable, each decoder
+    layer one tensor, the embedding and the head resident on a CUDA device, gradient accumulation on (staging
+    counted). Per-tensor 8-bit thresholds and alignment padding are below 0.1% of a real model's state."""
+    dt = torch.float32 if dtype_bytes == 4 else torch.bfloat16
+    units = [Unit([(n, dt, True)], True) for n in layer_params]
+    units.append(Unit([(n, dt, True) for n in (embed_params, head_params) if n], False))
+    return host_footprint(units, gradient_accumulation_steps=2)
