@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from lazytrain_hf.models import layer_kinds
-from lazytrain_hf.planner.costmodel import CostModel, layer_param_count, saved_activation_bytes
+from lazytrain_hf.planner.costmodel import CostModel, layer_compute_terms, layer_param_count, saved_activation_bytes
 from lazytrain_hf.planner.hardware import get_profile
 from lazytrain_hf.planner.zoo import ZOO_MODELS, as_hf_config, get_config
 
@@ -167,8 +167,23 @@ def test_flops_and_times_are_consistent():
     lc = cm.layers[0]
     # dense layer forward ~ 2 * N * params_matmul (+ attention); 6*N*P rule within 10%
     assert 2 * cm.tokens * lc.params < lc.flops_fwd < 1.1 * 2 * cm.tokens * lc.params + 4 * cm.tokens * 1024 * 4096
-    assert lc.bwd_s == pytest.approx(2 * lc.fwd_s)
-    assert lc.fwd_s == pytest.approx(lc.flops_fwd / get_profile("h800").flops_per_s)
+    hw = get_profile("h800")
+    terms = layer_compute_terms(get_config("qwen3-8b"), lc.kind, 4, 1024)
+    assert terms["gemm"] + terms["attention"] == pytest.approx(lc.flops_fwd)
+    # the per-class terms: GEMMs at P * eta, the attention core at its own rates, memory passes at BW_mem, kernels
+    gemm_s = terms["gemm"] / hw.rate("gemm")
+    mem = terms["memory_fwd"] / hw.memory_bytes_per_s
+    assert terms["memory_fwd"] == 2 * lc.saved_bytes and terms["memory_bwd"] == 3 * lc.saved_bytes
+    assert lc.fwd_s == pytest.approx(
+        gemm_s + terms["attention"] / hw.rate("attention") + mem + terms["kernels"] * hw.kernel_overhead_s
+    )
+    assert lc.bwd_s == pytest.approx(
+        2 * gemm_s
+        + 2 * terms["attention"] / hw.rate("attention_bwd")
+        + 1.5 * mem
+        + 2 * terms["kernels"] * hw.kernel_overhead_s
+    )
+    assert lc.flops_fwd / hw.flops_per_s < lc.fwd_s < 1.5 * lc.flops_fwd / hw.flops_per_s
     assert lc.optimizer_s == pytest.approx(lc.params / 8e9)
     cm8 = cm.with_batch(8)
     assert cm8.layers[0].saved_bytes == 2 * lc.saved_bytes  # linear in B at fixed T (sdpa)

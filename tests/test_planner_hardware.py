@@ -15,7 +15,7 @@ from lazytrain_hf.planner.zoo import get_config
 
 
 def test_bundled_profiles_round_trip(tmp_path):
-    assert set(BUNDLED_PROFILES) == {"h800", "h200", "a100-80g", "rtx3090", "rtx4090", "cpu"}
+    assert set(BUNDLED_PROFILES) == {"h800", "h100", "h200", "a100-80g", "rtx3090", "rtx4090", "cpu"}
     for name in BUNDLED_PROFILES:
         p = get_profile(name)
         path = tmp_path / f"{name}.json"
@@ -27,7 +27,7 @@ def test_bundled_profiles_round_trip(tmp_path):
 
 
 def test_profile_errors(tmp_path):
-    with pytest.raises(ValueError, match="h800, h200, a100-80g, rtx3090, rtx4090, cpu"):
+    with pytest.raises(ValueError, match="h800, h100, h200, a100-80g, rtx3090, rtx4090, cpu"):
         get_profile("v100")
     with pytest.raises(ValueError, match="does not exist"):
         get_profile(str(tmp_path / "missing.json"))

@@ -301,7 +301,9 @@ def layer_compute_terms(
         ld = _linear_dims(config)
         C = DELTA_RULE_CHUNK
         Tp = -(-T // C) * C
-        gemm += 2 * N * d * (ld["conv"] + ld["vd"] + 2 * ld["Hv"]) + 2 * N * ld["vd"] * d + 2 * N * ld["conv"] * ld["K"]
+        gemm += (
+            2 * N * d * (ld["conv"] + ld["vd"] + 2 * ld["Hv"]) + 2 * N * ld["vd"] * d + 2 * N * ld["conv"] * ld["K"]
+        )
         # chunked delta rule per token and head: intra-chunk kk^T, qk^T, two triangular solves, attn @ v_new,
         # and the state read / update (k_cumdecay @ S, q @ S, k^T @ v_new)
         linear += B * Tp * ld["Hv"] * (C * (5 * ld["dk"] + 3 * ld["dv"]) + 6 * ld["dk"] * ld["dv"])

@@ -10,11 +10,23 @@ Symbols used across the planner (bytes, seconds, FLOP):
 - ``P``      dense bf16 peak FLOP/s, ``eta`` the fraction of it a decoder layer's GEMMs reach (MFU of one layer);
 - ``BW_h2d`` / ``BW_d2h``  pinned host <-> device copy bandwidth, one direction each (PCIe is full duplex);
 - ``BW_nvme_r`` / ``BW_nvme_w``  NVMe read / write bandwidth, ``M_nvme`` its free capacity;
-- ``M_host`` host RAM, ``R_opt`` CPU optimizer rate in parameters per second (Hybrid 8-bit AdamW step incl. clip).
+- ``M_host`` host RAM, ``R_opt`` CPU optimizer rate in parameters per second (Hybrid 8-bit AdamW step incl. clip);
+- ``BW_mem`` device memory bandwidth reached by memory-bound passes (norms, activations, softmax, casts);
+- ``eta_k`` per compute class ``k`` (`COMPUTE_CLASSES`: dense GEMMs, attention core forward / backward,
+  gated-delta-rule core, MoE expert GEMMs) the fraction of ``P`` its kernels reach; ``t_kernel`` the fixed cost of
+  one kernel (dispatch + launch).
+
+Note: [Serial lanes on the CPU device]
+On a ``device_type == "cpu"`` profile the "device" is host memory and the executor's copies are synchronous memcpy
+on the cores that compute, and the CPU optimizer competes for the same cores: nothing overlaps. Such a profile has
+``serial_lanes`` true (and so does every `CostModel` built from it); a stage time is then the sum of its lanes
+(``compute + h2d / BW_h2d + d2h / BW_d2h + nvme``), not their maximum, and the optimizer tail is never hidden behind
+the next forward.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -27,6 +39,13 @@ from typing import Any
 GB = 10**9
 GiB = 2**30
 TiB = 2**40
+# Compute classes of the cost model, each with its own fraction of peak (``HardwareProfile.efficiency``):
+#   gemm                dense projection / MLP GEMMs (and lm_head): ``achievable_fraction``
+#   attention           attention core forward (SDPA flash / efficient kernels, QK^T and AV)
+#   attention_bwd       attention core backward
+#   linear_attention    gated-delta-rule core (chunked delta rule: small batched matmuls, fp32 in the torch path)
+#   moe                 routed expert GEMMs (grouped GEMMs over sorted tokens)
+COMPUTE_CLASSES: tuple[str, ...] = ("gemm", "attention", "attention_bwd", "linear_attention", "moe")
 
 
 def _finite(value: Any) -> bool:
@@ -55,6 +74,10 @@ class HardwareProfile:
         source: where the numbers come from (datasheet, measurement).
         layer_times: optional measured per-kind layer times ``{kind: [fwd_s, bwd_s]}`` with the batch shape they were
             taken at under ``layer_times_shape`` (``[micro_batch_size, seq_len]``).
+        memory_gbps: ``BW_mem`` in GB/s, device memory bandwidth that memory-bound passes reach (0: not modelled).
+        kernel_overhead_s: ``t_kernel``, fixed seconds per kernel (framework dispatch + launch; 0: not modelled).
+        efficiency: ``{class: eta}`` for the classes of `COMPUTE_CLASSES` other than ``gemm``, as fractions of
+            ``peak_tflops``; a missing class runs at ``achievable_fraction``.
     """
 
     name: str
@@ -72,6 +95,9 @@ class HardwareProfile:
     source: str = ""
     layer_times: dict[str, list[float]] = field(default_factory=dict)
     layer_times_shape: list[int] = field(default_factory=list)
+    memory_gbps: float = 0.0
+    kernel_overhead_s: float = 0.0
+    efficiency: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         # json.load reads NaN and Infinity; a NaN rate would reach the solver as a NaN coefficient
@@ -111,12 +137,49 @@ class HardwareProfile:
                 f"HardwareProfile {self.name!r}: layer_times={self.layer_times!r} must map each layer kind to "
                 f"[forward_s, backward_s] (finite numbers >= 0); {fix}."
             )
+        for name in ("memory_gbps", "kernel_overhead_s"):
+            value = getattr(self, name)
+            if not _finite(value) or value < 0:
+                raise ValueError(
+                    f"HardwareProfile {self.name!r}: {name}={value!r} must be a finite number >= 0; {fix}."
+                )
+        if not isinstance(self.efficiency, dict):
+            raise ValueError(f"HardwareProfile {self.name!r}: efficiency={self.efficiency!r} must be a dict; {fix}.")
+        for key, value in self.efficiency.items():
+            if key not in COMPUTE_CLASSES or key == "gemm":
+                raise ValueError(
+                    f"HardwareProfile {self.name!r}: efficiency key {key!r} is not one of "
+                    f"{COMPUTE_CLASSES[1:]} (dense GEMMs use achievable_fraction); {fix}."
+                )
+            if not _finite(value) or not 0 < value <= 1:
+                raise ValueError(
+                    f"HardwareProfile {self.name!r}: efficiency[{key!r}]={value!r} must be in (0, 1]; {fix}."
+                )
 
     # ------------------------------------------------------------------ derived rates
     @property
     def flops_per_s(self) -> float:
         """Sustained FLOP/s of a decoder layer: ``P * eta``."""
         return self.peak_tflops * 1e12 * self.achievable_fraction
+
+    def rate(self, compute_class: str) -> float:
+        """Sustained FLOP/s of one compute class (`COMPUTE_CLASSES`): ``P * eta_class``."""
+        if compute_class not in COMPUTE_CLASSES:
+            raise ValueError(f"compute_class={compute_class!r} is not one of {COMPUTE_CLASSES}.")
+        eta = self.achievable_fraction if compute_class == "gemm" else self.efficiency.get(compute_class)
+        if eta is None:
+            eta = self.achievable_fraction
+        return self.peak_tflops * 1e12 * eta
+
+    @property
+    def memory_bytes_per_s(self) -> float:
+        """``BW_mem`` in bytes/s (0 when the profile does not model memory-bound passes)."""
+        return self.memory_gbps * GB
+
+    @property
+    def serial_lanes(self) -> bool:
+        """Copies, compute and the optimizer share the same cores (Note: [Serial lanes on the CPU device])."""
+        return self.device_type == "cpu"
 
     @property
     def h2d_bytes_per_s(self) -> float:
@@ -158,7 +221,7 @@ class HardwareProfile:
         if unknown:
             raise ValueError(f"unknown hardware profile keys {sorted(unknown)}; known keys are {sorted(known)}.")
         missing = [f.name for f in dataclasses.fields(cls) if f.name not in data and f.default is dataclasses.MISSING]
-        missing = [m for m in missing if m not in ("layer_times", "layer_times_shape")]
+        missing = [m for m in missing if m not in _OPTIONAL_KEYS]
         if missing:
             raise ValueError(f"hardware profile is missing keys {missing}; write them or re-run `measure()`.")
         return cls(**data)
@@ -189,17 +252,49 @@ class HardwareProfile:
         )
 
 
-# Bundled profiles. Sources: NVIDIA datasheets for memory and dense bf16 tensor peak (no sparsity); pinned-copy
-# bandwidths are typical measured values (PCIe Gen5 x16 ~ 50 GB/s of 64, Gen4 x16 ~ 25 GB/s of 32); eta is the
-# fraction a bf16 transformer layer's GEMMs typically reach (Megatron-LM / nanoGPT MFU reports); NVMe: one PCIe Gen4
-# SSD (7/5 GB/s) on workstations, a 4-drive RAID-0 on servers. R_opt: a memory-bandwidth-bound fused AdamW over
-# ~20 B/param (fp32 master r/w, grad r, 8-bit m/v r/w, bf16 copy w): server DDR5 ~ 200 GB/s -> ~8e9 param/s,
-# workstation ~ 60 GB/s -> ~2.5e9 param/s.
+_OPTIONAL_KEYS = ("layer_times", "layer_times_shape", "memory_gbps", "kernel_overhead_s", "efficiency")
+
+
+# Bundled profiles. Sources: NVIDIA datasheets for memory, memory bandwidth and dense bf16 tensor peak (no
+# sparsity); pinned-copy bandwidths are typical measured values (PCIe Gen5 x16 ~ 50 GB/s of 64, Gen4 x16 ~ 25 GB/s of
+# 32); NVMe: one PCIe Gen4 SSD (7/5 GB/s) on workstations, a 4-drive RAID-0 on servers. R_opt: a
+# memory-bandwidth-bound fused AdamW over ~20 B/param (fp32 master r/w, grad r, 8-bit m/v r/w, bf16 copy w): server
+# DDR5 ~ 200 GB/s -> ~8e9 param/s, workstation ~ 60 GB/s -> ~2.5e9 param/s.
+#
+# Efficiencies (fractions of the dense bf16 peak) and fixed costs of the GPU profiles; the cost model's terms are
+# listed in costmodel.py (`layer_compute_terms`):
+# - gemm (``achievable_fraction``) on Hopper: fitted to MegaTrain's published Qwen2.5-7B run on one H100 (272
+#   TFLOPS in its 6*N*tokens convention, batch 158 x 1024; calibration.json), a run whose step is dense GEMMs (3
+#   forwards + 1 backward per layer) plus its serial CPU optimizer, with MegaTrain's executor as
+#   `baselines.evaluate_megatrain` models it: 0.52 (`calibration.fit_bundled_hopper()` refits it). Other GPUs keep
+#   their earlier typical layer MFU (Megatron-LM / nanoGPT reports).
+# - attention / attention_bwd: FlashAttention-2 (PyTorch SDPA's flash backend) on H100 SXM reaches ~ 330-370
+#   TFLOPS forward and ~ 250-300 TFLOPS backward at head dim 128, causal, 2k-16k tokens (FlashAttention-3 paper,
+#   Shah et al. 2024, Figs. 5-6 FA2 curves): 0.35 / 0.28 of 989.5; Ampere: FA2 paper (Dao 2023) fwd up to 73%,
+#   bwd up to 63% of A100 peak at long sequences, ~50% / 40% at 1-2k tokens.
+# - linear_attention on Hopper: fitted to the LazyTrain paper's Qwen3.6-27B on one H800 (219.95 TFLOPS, 1361
+#   tokens/s at batch 72; 48 of its 64 layers are Gated DeltaNet) with the GEMM efficiency above held fixed:
+#   0.0084 = 8.3 TFLOPS for the chunked delta rule's FLOPs. transformers runs it without the fla kernels as
+#   `torch_chunk_gated_delta_rule`: q/k/v cast to fp32, small batched matmuls ([B*H, 64, 128]) in fp32 without
+#   TF32 (torch's default), whose SIMT peak is 67 TFLOPS on H100 SXM (datasheet), and a 63-step Python loop of tiny
+#   kernels per chunk for the triangular solve: the fit is 1/8 of that fp32 peak. Ampere, argued the same way
+#   (19.5 fp32 / 312 bf16, 1/8): 0.008; GeForce (fp32 peak = the bf16 tensor peak without sparsity): 0.12.
+# - moe: transformers 5 runs the experts as grouped GEMMs over sorted tokens (`torch._grouped_mm`); with ~S/E rows
+#   per expert they reach ~ 70% of a dense GEMM's rate (no published point to fit; a plain ratio).
+# - memory_gbps: ~85% of the datasheet HBM bandwidth, what STREAM-like elementwise kernels reach (H100/H800 SXM
+#   3.35 TB/s -> 2850 GB/s, H200 4.8 -> 4080, A100 80 GB 2.04 -> 1730, RTX 3090 0.936 -> 800, RTX 4090 1.008 -> 860).
+# - kernel_overhead_s: 5 us per kernel, PyTorch eager dispatch + CUDA launch of one op (only what a short kernel
+#   cannot hide; negligible at layer shapes of billions of parameters, visible on tiny ones).
+_HOPPER_GEMM = 0.52
+_HOPPER_EFFICIENCY = {"attention": 0.35, "attention_bwd": 0.28, "linear_attention": 0.0084, "moe": 0.7 * _HOPPER_GEMM}
+_AMPERE_EFFICIENCY = {"attention": 0.5, "attention_bwd": 0.4, "linear_attention": 0.008, "moe": 0.7 * 0.6}
+_GEFORCE_EFFICIENCY = {"attention": 0.5, "attention_bwd": 0.4, "linear_attention": 0.12, "moe": 0.7 * 0.7}
+_GPU_KERNEL_S = 5e-6
 _BUNDLED: dict[str, dict[str, Any]] = {
     "h800": dict(
         device_memory_bytes=80 * GiB,
         peak_tflops=989.5,
-        achievable_fraction=0.55,
+        achievable_fraction=_HOPPER_GEMM,
         h2d_gbps=50.0,
         d2h_gbps=50.0,
         nvme_read_gbps=24.0,
@@ -207,12 +302,31 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         nvme_capacity_bytes=8 * TiB,
         host_memory_bytes=1 * TiB,
         cpu_optimizer_params_per_s=8e9,
-        source="datasheet: H800 SXM5 80 GB HBM3, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
+        memory_gbps=2850.0,
+        kernel_overhead_s=_GPU_KERNEL_S,
+        efficiency=dict(_HOPPER_EFFICIENCY),
+        source="datasheet: H800 SXM5 80 GB HBM3 3.35 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
+    ),
+    "h100": dict(
+        device_memory_bytes=80 * GiB,
+        peak_tflops=989.5,
+        achievable_fraction=_HOPPER_GEMM,
+        h2d_gbps=50.0,
+        d2h_gbps=50.0,
+        nvme_read_gbps=24.0,
+        nvme_write_gbps=16.0,
+        nvme_capacity_bytes=8 * TiB,
+        host_memory_bytes=1 * TiB,
+        cpu_optimizer_params_per_s=8e9,
+        memory_gbps=2850.0,
+        kernel_overhead_s=_GPU_KERNEL_S,
+        efficiency=dict(_HOPPER_EFFICIENCY),
+        source="datasheet: H100 SXM5 80 GB HBM3 3.35 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
     ),
     "h200": dict(
         device_memory_bytes=141 * GB,
         peak_tflops=989.5,
-        achievable_fraction=0.55,
+        achievable_fraction=_HOPPER_GEMM,
         h2d_gbps=50.0,
         d2h_gbps=50.0,
         nvme_read_gbps=24.0,
@@ -220,7 +334,10 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         nvme_capacity_bytes=8 * TiB,
         host_memory_bytes=3 * TiB // 2,
         cpu_optimizer_params_per_s=8e9,
-        source="datasheet: H200 SXM 141 GB HBM3e, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
+        memory_gbps=4080.0,
+        kernel_overhead_s=_GPU_KERNEL_S,
+        efficiency=dict(_HOPPER_EFFICIENCY),
+        source="datasheet: H200 SXM 141 GB HBM3e 4.8 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
     ),
     "a100-80g": dict(
         device_memory_bytes=80 * GiB,
@@ -233,7 +350,10 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         nvme_capacity_bytes=8 * TiB,
         host_memory_bytes=1 * TiB,
         cpu_optimizer_params_per_s=6e9,
-        source="datasheet: A100 SXM4 80 GB HBM2e, 312 TFLOPS dense bf16, PCIe Gen4 x16",
+        memory_gbps=1730.0,
+        kernel_overhead_s=_GPU_KERNEL_S,
+        efficiency=dict(_AMPERE_EFFICIENCY),
+        source="datasheet: A100 SXM4 80 GB HBM2e 2.04 TB/s, 312 TFLOPS dense bf16, PCIe Gen4 x16",
     ),
     "rtx3090": dict(
         device_memory_bytes=24 * GiB,
@@ -246,7 +366,10 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         nvme_capacity_bytes=2 * TiB,
         host_memory_bytes=512 * GiB,
         cpu_optimizer_params_per_s=2.5e9,
-        source="datasheet: RTX 3090 24 GB GDDR6X, 71 TFLOPS bf16 with fp32 accumulate, PCIe Gen4 x16",
+        memory_gbps=800.0,
+        kernel_overhead_s=_GPU_KERNEL_S,
+        efficiency=dict(_GEFORCE_EFFICIENCY),
+        source="datasheet: RTX 3090 24 GB GDDR6X 936 GB/s, 71 TFLOPS bf16 with fp32 accumulate, PCIe Gen4 x16",
     ),
     "rtx4090": dict(
         device_memory_bytes=24 * GiB,
@@ -259,12 +382,16 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         nvme_capacity_bytes=2 * TiB,
         host_memory_bytes=512 * GiB,
         cpu_optimizer_params_per_s=2.5e9,
-        source="datasheet: RTX 4090 24 GB GDDR6X, 165.2 TFLOPS bf16 with fp32 accumulate, PCIe Gen4 x16",
+        memory_gbps=860.0,
+        kernel_overhead_s=_GPU_KERNEL_S,
+        efficiency=dict(_GEFORCE_EFFICIENCY),
+        source="datasheet: RTX 4090 24 GB GDDR6X 1008 GB/s, 165.2 TFLOPS bf16 with fp32 accumulate, PCIe Gen4 x16",
     ),
     # This kind of development machine: 2 AMD EPYC cores (AVX2/FMA), 24 GiB, no GPU. The CPU executor's "device"
     # is host memory, so "H2D"/"D2H" are memcpy (1 GiB copy 18-21 GB/s). Peak: 2 cores x 2 FMA x 8 fp32 lanes x
     # 2 FLOP x ~2.5 GHz = 160 GFLOP/s; eta 0.35 as measured for torch GEMMs of layer size. R_opt: torch fused AdamW
-    # runs 50M fp32 params in 44 ms (1.1e9 param/s); the 8-bit step does more work per element.
+    # runs 50M fp32 params in 44 ms (1.1e9 param/s); the 8-bit step does more work per element. BW_mem: in-place
+    # add with 2 threads 28-31 GB/s; an eager op with autograd costs a few microseconds on top of its work.
     "cpu": dict(
         device_memory_bytes=24 * GiB,
         peak_tflops=0.16,
@@ -277,6 +404,9 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         host_memory_bytes=24 * GiB,
         cpu_optimizer_params_per_s=0.8e9,
         device_type="cpu",
+        memory_gbps=29.0,
+        kernel_overhead_s=5e-6,
+        efficiency={"attention": 0.5, "attention_bwd": 0.4, "linear_attention": 0.5, "moe": 0.5},
         source="measured facts of a 2-core AMD EPYC (AVX2) development machine, 24 GiB, no GPU",
     ),
 }
@@ -285,7 +415,7 @@ BUNDLED_PROFILES: tuple[str, ...] = tuple(_BUNDLED)
 
 
 def get_profile(name_or_path: str | HardwareProfile) -> HardwareProfile:
-    """A bundled profile by name (``h800``, ``h200``, ``a100-80g``, ``rtx3090``, ``rtx4090``, ``cpu``) or a profile
+    """A bundled profile by name (``h800``, ``h100``, ``h200``, ``a100-80g``, ``rtx3090``, ``rtx4090``, ``cpu``) or a profile
     JSON written by `measure()` / `HardwareProfile.to_json`.
 
     Raises:
@@ -297,7 +427,7 @@ def get_profile(name_or_path: str | HardwareProfile) -> HardwareProfile:
         raise TypeError(f"hardware={name_or_path!r} must be a profile name or a JSON path.")
     key = name_or_path.lower()
     if key in _BUNDLED:
-        return HardwareProfile(name=key, **_BUNDLED[key])
+        return HardwareProfile(name=key, **copy.deepcopy(_BUNDLED[key]))
     if name_or_path.endswith(".json") or os.path.sep in name_or_path:
         if not os.path.isfile(name_or_path):
             raise ValueError(

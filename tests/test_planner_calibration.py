@@ -1,0 +1,86 @@
+"""Calibration: the published points and their sources, and the planner's predictions of them within 15%."""
+
+from __future__ import annotations
+
+import pytest
+
+from lazytrain_hf.planner import calibration
+from lazytrain_hf.planner.calibration import CALIBRATION_POINTS, get_point, predict_point, residuals, tflops_6n
+from lazytrain_hf.planner.costmodel import CostModel
+from lazytrain_hf.planner.hardware import get_profile
+from lazytrain_hf.planner.zoo import get_config
+
+TOLERANCE = 0.15
+
+
+def test_points_carry_source_and_conditions():
+    assert {p["name"] for p in CALIBRATION_POINTS} == {
+        "lazytrain-paper-qwen3.6-27b-h800",
+        "megatrain-qwen2.5-7b-h100",
+    }
+    for p in CALIBRATION_POINTS:
+        assert {"kind", "reference", "file", "measured"} <= set(p["source"])
+        assert p["tflops_convention"].startswith("6 * N")
+        get_config(p["model"]), get_profile(p["hardware"])  # both resolvable
+    paper = get_point("lazytrain-paper-qwen3.6-27b-h800")
+    assert paper["measured"] == {"tflops": 219.95, "tokens_per_s": 1361.0, "peak_gpu_bytes": 68_840_000_000}
+    assert paper["micro_batch_size"] == 72
+    mega = get_point("megatrain-qwen2.5-7b-h100")
+    assert (mega["micro_batch_size"], mega["seq_len"], mega["measured"]["tflops"]) == (158, 1024, 272.0)
+
+
+def test_paper_sequence_length_follows_from_its_figures():
+    """TFLOPS / tokens/s = 6 N + the causal attention FLOPs of the full-attention layers per token."""
+    p = get_point("lazytrain-paper-qwen3.6-27b-h800")
+    cfg = get_config(p["model"])
+    N = CostModel.from_config(cfg, "h800", 1, 1).total_params
+    per_token = p["measured"]["tflops"] * 1e12 / p["measured"]["tokens_per_s"]
+    assert abs(per_token / (6 * N) - 1) < 0.002  # the paper's convention is 6N (to 0.14%)
+    L_full = cfg.layer_types.count("full_attention")
+    T = (per_token - 6 * N) / (6 * L_full * cfg.num_attention_heads * cfg.head_dim)
+    assert round(T) == p["seq_len"] == 395
+
+
+def test_implied_step_times_and_6n_convention():
+    mega = get_point("megatrain-qwen2.5-7b-h100")
+    N = CostModel.from_config(get_config("qwen2.5-7b"), "h100", 1024, 1).total_params
+    assert calibration.measured_step_time(mega) == pytest.approx(6 * N * 158 * 1024 / 272e12)
+    assert tflops_6n(N, 158 * 1024, calibration.measured_step_time(mega)) == pytest.approx(272.0)
+    paper = get_point("lazytrain-paper-qwen3.6-27b-h800")
+    assert calibration.measured_step_time(paper) == pytest.approx(72 * 395 / 1361)
+    with pytest.raises(ValueError, match="step_time_s=0"):
+        tflops_6n(N, 1, 0)
+
+
+def test_h100_profile():
+    h100 = get_profile("h100")
+    assert h100.peak_tflops == 989.5 and h100.device_memory_bytes == 80 * 2**30 and h100.h2d_gbps == 50.0
+    assert h100.device_type == "cuda" and not h100.serial_lanes and get_profile("cpu").serial_lanes
+
+
+def test_points_predicted_within_tolerance():
+    rows = residuals()
+    table = "\n".join(
+        f"{r['point']:36s} {r['quantity']:15s} measured {r['measured']:.4g} predicted {r['predicted']:.4g} "
+        f"({r['rel_error']:+.1%})"
+        for r in rows
+    )
+    quantities = {(r["point"], r["quantity"]) for r in rows}
+    assert ("lazytrain-paper-qwen3.6-27b-h800", "peak_gpu_bytes") in quantities
+    assert ("megatrain-qwen2.5-7b-h100", "tflops") in quantities
+    for r in rows:
+        assert abs(r["rel_error"]) <= TOLERANCE, table
+
+
+def test_paper_point_is_predicted_from_the_milp_plan():
+    pred = predict_point("lazytrain-paper-qwen3.6-27b-h800")
+    assert pred["plan_source"] == "milp"
+    assert pred["peak_gpu_bytes"] <= get_profile("h800").default_gpu_budget()
+    assert pred["tflops"] == pytest.approx(tflops_6n(26_895_998_464, 72 * 395, pred["step_time_s"]))
+
+
+def test_fit_recovers_the_bundled_gemm_efficiency():
+    eta = calibration.fit_efficiency("megatrain-qwen2.5-7b-h100", "gemm", lo=0.2)
+    assert eta == pytest.approx(get_profile("h100").achievable_fraction, rel=0.05)
+    with pytest.raises(ValueError, match="calibration point 'nope'"):
+        get_point("nope")
