@@ -24,7 +24,7 @@ from .. import streams
 from ..planner.plan import Plan
 from ..units import format_bytes
 from .layout import Layout, ParamRef, fingerprint, plain_strided, storage_key, tensors_in
-from .nvme import NvmeTier, SpillDir, check_dir, remove_stale_spill_dirs
+from .nvme import IO_MODES, NvmeTier, SpillDir, check_dir, remove_stale_spill_dirs
 from .recompute import RecomputeFrame, Recomputer, Slot
 from .tiers import DeviceTier, Entry, HostTier, Tier, TierContext
 
@@ -112,6 +112,10 @@ class ActivationEngine:
         io_threads: background reader threads of the NVMe tier (writes use one ordered writer).
         nvme_max_inflight_bytes: staging bytes of NVMe writes allowed in flight before a pack waits for the oldest
             write (bounds host memory when the disk is slower than the forward).
+        nvme_io: how spill files are written and read: ``"auto"`` (``O_DIRECT`` where the filesystem accepts it,
+            else write + fdatasync + ``posix_fadvise(DONTNEED)``), ``"direct"``, ``"fadvise"`` or ``"buffered"``
+            (page cache; for comparisons). See Note: [Spilled bytes leave RAM] in nvme.py; `spill_io` says what was
+            chosen and why.
 
     Usage (what the executor does)::
 
@@ -132,6 +136,7 @@ class ActivationEngine:
         pin_memory: bool | None = None,
         io_threads: int = 2,
         nvme_max_inflight_bytes: int = 1 << 30,
+        nvme_io: str = "auto",
     ) -> None:
         if not isinstance(plan, Plan):
             raise TypeError(
@@ -164,6 +169,10 @@ class ActivationEngine:
             raise ValueError(f"io_threads={io_threads} must be >= 1.")
         if nvme_max_inflight_bytes < 1:
             raise ValueError(f"nvme_max_inflight_bytes={nvme_max_inflight_bytes} must be >= 1.")
+        if nvme_io not in IO_MODES:
+            raise ValueError(
+                f"nvme_io={nvme_io!r} is not one of {IO_MODES}; pass 'auto' (O_DIRECT where the filesystem allows it)."
+            )
         nvme_layers = [lp.index for lp in plan.layers if lp.tier == "nvme"]
         if nvme_dir is None and nvme_layers:
             raise ValueError(
@@ -189,7 +198,9 @@ class ActivationEngine:
         self.pool = self._tiers.pool
         self._acct = self._tiers.acct
         self._nvme = (
-            NvmeTier(self._tiers, nvme_dir, io_threads, nvme_max_inflight_bytes) if nvme_dir is not None else None
+            NvmeTier(self._tiers, nvme_dir, io_threads, nvme_max_inflight_bytes, nvme_io)
+            if nvme_dir is not None
+            else None
         )
         self._tier: dict[str, Tier] = {"gpu": DeviceTier(self._tiers), "cpu": HostTier(self._tiers)}
         if self._nvme is not None:
@@ -203,6 +214,10 @@ class ActivationEngine:
         self._closed = False
 
     # ------------------------------------------------------------------ checks
+    def set_trace(self, trace: Any) -> None:
+        """Record every copy and disk transfer in the executor's `Trace` (lazytrain_hf.streaming.trace)."""
+        self._tiers.trace = trace
+
     def check_nvme_capacity(self, bytes_needed: int) -> None:
         """Raise ValueError unless the spill directory exists, is writable and has ``bytes_needed`` bytes free."""
         if self.nvme_dir is None:
@@ -225,6 +240,14 @@ class ActivationEngine:
     def spill_dir(self) -> str | None:
         """This engine's private spill subdirectory (created on first use), or None."""
         return self._nvme.spill.path if self._nvme is not None else None
+
+    def spill_io(self) -> dict[str, str] | None:
+        """How the spill files are written and read: ``{"mode": "direct" | "fadvise" | "buffered", "reason": ...}``
+        (the spill directory is made, and the mode probed, here if it was not yet); None without an nvme_dir."""
+        if self._nvme is None:
+            return None
+        self._nvme.spill.ensure()
+        return {"mode": self._nvme.spill.io_mode, "reason": self._nvme.spill.io_reason}
 
     def spill_files(self) -> list[str]:
         """Names of the spill files that exist now (empty between steps)."""
@@ -431,6 +454,7 @@ class ActivationEngine:
     # ------------------------------------------------------------------ step
     def synchronize(self) -> None:
         """Wait for every copy and write in flight (benchmarks, memory snapshots)."""
+        self._tiers.host_sync("activations: synchronize() waits for every copy and spill write")
         if self._tiers.lanes is not None:
             self._tiers.lanes.synchronize()
         self._tiers.poll_inflight()
@@ -448,6 +472,7 @@ class ActivationEngine:
             if ctx.hooks is not None:
                 ctx.hooks.__exit__(None, None, None)
         if self._tiers.lanes is not None:
+            self._tiers.host_sync("activations: end of step waits for the copy lanes")
             self._tiers.lanes.synchronize()
         if self._nvme is not None:
             self._nvme.wait_io()

@@ -5,6 +5,26 @@ directories of dead processes) and `NvmeTier`, the tier backend (`tiers.py` inte
 through a pooled host buffer, writes it to its layer's spill file and reads it back when its reload is issued. A
 failed write (ENOSPC, EIO) removes every spill file of the step and is raised on the training thread as
 `ActivationSpillError`, naming the directory, the bytes and the fix.
+
+Note: [Spilled bytes leave RAM]
+    A spill exists to free host memory, so its bytes must not stay in the page cache (buffered writes would keep
+    every spilled activation resident until the kernel decides to evict it, and a reload would read RAM, not the
+    disk: not what `planner.hardware.measure`'s NVMe probe, which fsyncs and drops the cache, measured). The spill
+    I/O mode is chosen once per spill directory (`SpillDir.io_mode`, with the reason in `SpillDir.io_reason`):
+
+    - ``direct`` (preferred): files opened with ``O_DIRECT``; every write and read moves whole `IO_ALIGN`-byte
+      blocks between a host buffer aligned to `IO_ALIGN` and a file offset aligned to `IO_ALIGN` (entries are
+      reserved at aligned offsets, sizes rounded up; staging buffers are aligned views into pool buffers,
+      `tiers.aligned`). The page cache is never used.
+    - ``fadvise``: where the filesystem refuses ``O_DIRECT`` (tmpfs, some FUSE and network filesystems; probed with
+      one aligned block when the directory is made) or the platform lacks it: ``pwrite`` + ``fdatasync`` +
+      ``posix_fadvise(DONTNEED)`` over the entry's pages after each write, ``pread`` + ``DONTNEED`` after each
+      read, so the pages are dropped once clean. (On tmpfs the file *is* RAM: no mode can move it elsewhere.)
+    - ``buffered``: plain page-cache I/O; only when asked for (``nvme_io="buffered"``, for comparisons) or where
+      neither mechanism exists.
+
+    Bytes round-trip bit-exactly in every mode (``tests/test_nvme_io.py``, which also measures page-cache
+    residency of the spill files with ``mincore``).
 """
 
 from __future__ import annotations
@@ -12,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import errno
 import hashlib
+import mmap
 import os
 import re
 import shutil
@@ -27,7 +48,7 @@ import torch
 from .. import streams
 from ..units import format_bytes
 from .layout import Layout
-from .tiers import Entry, Tier, TierContext
+from .tiers import Entry, Tier, TierContext, aligned, round_up
 
 _SPILL_PREFIX = "lazytrain-act_"
 _SPILL_RE = re.compile(r"^lazytrain-act_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
@@ -35,6 +56,76 @@ _SPILL_RE = re.compile(r"^lazytrain-act_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<s
 # Indirection so tests can inject I/O failures (ENOSPC) without touching the `os` module other code uses.
 _pwrite = os.pwrite
 _preadv = os.preadv
+
+# Block size of O_DIRECT transfers: buffer addresses, file offsets and lengths are multiples of it. 4096 covers
+# drives with 512-byte and 4 KiB logical blocks (Linux requires the logical block size; 4096 is a multiple of both).
+IO_ALIGN = 4096
+IO_MODES = ("auto", "direct", "fadvise", "buffered")
+
+
+def probe_direct_io(directory: str) -> str | None:
+    """None when ``O_DIRECT`` reads and writes of one aligned block work in ``directory``, else the reason."""
+    if not hasattr(os, "O_DIRECT"):
+        return "this platform has no O_DIRECT"
+    path = os.path.join(directory, f".direct-probe-{os.getpid()}-{threading.get_ident()}")
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o600)
+    except OSError as e:
+        return f"the filesystem of {directory!r} refuses O_DIRECT ({e.strerror or e}; e.g. tmpfs)"
+    try:
+        out, back = mmap.mmap(-1, IO_ALIGN), mmap.mmap(-1, IO_ALIGN)  # anonymous maps are page-aligned
+        out.write(bytes(range(256)) * (IO_ALIGN // 256))
+        if os.pwrite(fd, out, 0) != IO_ALIGN or os.preadv(fd, [back], 0) != IO_ALIGN or back[:] != out[:]:
+            return f"O_DIRECT I/O in {directory!r} moved fewer or other bytes than asked"
+    except OSError as e:
+        return f"O_DIRECT I/O in {directory!r} failed ({e.strerror or e})"
+    finally:
+        os.close(fd)
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+    return None
+
+
+def page_cache_bytes(path: str) -> int | None:
+    """Bytes of the file at ``path`` resident in the page cache now (``mmap`` + ``mincore``, as ``fincore`` does);
+    None where the platform has no ``mincore``. Maps the file without touching its pages."""
+    import ctypes
+    import ctypes.util
+
+    size = os.path.getsize(path)
+    if size == 0:
+        return 0
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+        mincore = libc.mincore
+    except (OSError, AttributeError):
+        return None
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+    page = mmap.PAGESIZE
+    pages = -(-size // page)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+        if addr in (None, ctypes.c_void_p(-1).value):
+            raise OSError(ctypes.get_errno(), f"mmap of {path!r} failed")
+        try:
+            vec = (ctypes.c_ubyte * pages)()
+            if mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                raise OSError(ctypes.get_errno(), f"mincore of {path!r} failed")
+            resident = sum(v & 1 for v in vec)
+        finally:
+            libc.munmap(ctypes.c_void_p(addr), size)
+    finally:
+        os.close(fd)
+    return min(size, resident * page)
+
+
+def _drop_cached(fd: int, offset: int, nbytes: int) -> None:
+    """Ask the kernel to drop the (clean) page-cache pages of ``[offset, offset + nbytes)`` of ``fd``."""
+    os.posix_fadvise(fd, offset, round_up(nbytes, IO_ALIGN), os.POSIX_FADV_DONTNEED)
 
 
 class ActivationSpillError(OSError):
@@ -164,11 +255,22 @@ class SpillDir:
     """The private spill directory of one engine: files, background I/O pools, cleanup.
 
     Holds no reference to the engine, so a `weakref.finalize` on the engine can call `cleanup`.
+
+    Args:
+        root: the directory the private spill directory is made in.
+        io_threads: reader threads.
+        io_mode: ``"auto"`` (``direct`` where the filesystem accepts it, else ``fadvise``), or one of ``"direct"``,
+            ``"fadvise"``, ``"buffered"`` (See Note: [Spilled bytes leave RAM]).
     """
 
-    def __init__(self, root: str, io_threads: int) -> None:
+    def __init__(self, root: str, io_threads: int, io_mode: str = "auto") -> None:
+        if io_mode not in IO_MODES:
+            raise ValueError(f"nvme_io={io_mode!r} is not one of {IO_MODES}; pass 'auto' unless comparing modes.")
         self.root = root
         self.io_threads = io_threads
+        self.requested_io_mode = io_mode
+        self.io_mode = ""  # decided when the directory is made
+        self.io_reason = ""
         self.path: str | None = None
         self.files: dict[tuple[int, int], _SpillFile] = {}
         self.lock = threading.Lock()
@@ -180,9 +282,36 @@ class SpillDir:
             if self.path is None:
                 prefix = f"{_SPILL_PREFIX}{_host_id()}_{os.getpid()}_{_process_start_ticks(os.getpid())}_"
                 self.path = tempfile.mkdtemp(prefix=prefix, dir=self.root)  # mode 0o700
+                self.io_mode, self.io_reason = self._choose_io_mode(self.path)
                 self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-spill-w")
                 self.reader = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="lazytrain-spill-r")
             return self.path
+
+    def _choose_io_mode(self, path: str) -> tuple[str, str]:
+        """``(mode, reason)`` for the spill files in ``path``; See Note: [Spilled bytes leave RAM]."""
+        want = self.requested_io_mode
+        has_fadvise = hasattr(os, "posix_fadvise") and hasattr(os, "fdatasync")
+        if want == "buffered":
+            return "buffered", "page-cache I/O as requested (nvme_io='buffered')"
+        if want in ("auto", "direct"):
+            why = probe_direct_io(path)
+            if why is None:
+                return "direct", "O_DIRECT with 4096-byte aligned buffers, offsets and sizes"
+            if want == "direct":
+                raise ValueError(
+                    f"nvme_io='direct' but {why}; pass nvme_io='auto' (falls back to fdatasync + "
+                    "posix_fadvise(DONTNEED)) or put activation_nvme_dir on a filesystem that supports O_DIRECT."
+                )
+            if has_fadvise:
+                return "fadvise", f"{why}: write + fdatasync + posix_fadvise(DONTNEED), reads followed by DONTNEED"
+            return "buffered", f"{why}, and posix_fadvise is missing: page-cache I/O"
+        if not has_fadvise:
+            raise ValueError("nvme_io='fadvise' needs os.posix_fadvise and os.fdatasync; pass nvme_io='auto'.")
+        return "fadvise", "write + fdatasync + posix_fadvise(DONTNEED), reads followed by DONTNEED, as requested"
+
+    @property
+    def direct(self) -> bool:
+        return self.io_mode == "direct"
 
     def file(self, step: int, layer: int) -> _SpillFile:
         path = self.ensure()
@@ -190,16 +319,41 @@ class SpillDir:
             f = self.files.get((step, layer))
             if f is None:
                 p = os.path.join(path, f"step{step}_layer{layer:04d}.act")
-                f = _SpillFile(p, os.open(p, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600))
+                flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+                f = _SpillFile(p, os.open(p, flags, 0o600))
                 self.files[(step, layer)] = f
             return f
 
     def reserve(self, f: _SpillFile, nbytes: int) -> int:
+        """The file offset of a new entry of ``nbytes`` bytes: aligned to `IO_ALIGN`, so every entry starts on its
+        own page (O_DIRECT needs it; the DONTNEED of one entry then never spans a neighbour's page)."""
         with self.lock:
             off = f.size
-            f.size += nbytes
+            f.size += round_up(nbytes, IO_ALIGN)
             f.live += 1
             return off
+
+    # ------------------------------------------------------------------ I/O (background threads)
+    def write(self, f: _SpillFile, region: torch.Tensor, nbytes: int, offset: int) -> None:
+        """Write ``nbytes`` of the staging ``region`` (aligned, `tiers.aligned`) at ``offset`` so that they do not
+        stay in the page cache. See Note: [Spilled bytes leave RAM]."""
+        if self.direct:
+            _pwrite_all(f.fd, _bytes_of(region[: round_up(nbytes, IO_ALIGN)]), offset)
+            return
+        _pwrite_all(f.fd, _bytes_of(region[:nbytes]), offset)
+        if self.io_mode == "fadvise":
+            os.fdatasync(f.fd)  # DONTNEED drops clean pages only
+            _drop_cached(f.fd, offset, nbytes)
+
+    def read(self, f: _SpillFile, out: torch.Tensor, nbytes: int, offset: int) -> None:
+        """Read ``nbytes`` at ``offset`` into ``out`` (in ``direct`` mode an aligned region of
+        ``round_up(nbytes, IO_ALIGN)`` bytes; otherwise any ``nbytes`` bytes)."""
+        if self.direct:
+            _pread_all(f.fd, _bytes_of(out[: round_up(nbytes, IO_ALIGN)]), offset)
+            return
+        _pread_all(f.fd, _bytes_of(out[:nbytes]), offset)
+        if self.io_mode == "fadvise":
+            _drop_cached(f.fd, offset, nbytes)
 
     def drop(self, f: _SpillFile) -> None:
         """One entry of ``f`` released; the file goes once it is sealed and empty."""
@@ -263,15 +417,18 @@ class NvmeTier(Tier):
         nvme_dir: the directory the engine's private spill directory is made in.
         io_threads: reader threads.
         max_inflight_bytes: staging bytes of writes in flight before a store waits for the oldest write.
+        io_mode: how the spill files are written and read (`SpillDir`; See Note: [Spilled bytes leave RAM]).
     """
 
     name = "nvme"
 
-    def __init__(self, ctx: TierContext, nvme_dir: str, io_threads: int, max_inflight_bytes: int) -> None:
+    def __init__(
+        self, ctx: TierContext, nvme_dir: str, io_threads: int, max_inflight_bytes: int, io_mode: str = "auto"
+    ) -> None:
         super().__init__(ctx)
         self.nvme_dir = nvme_dir
         self.max_inflight_bytes = int(max_inflight_bytes)
-        self.spill = SpillDir(nvme_dir, io_threads)
+        self.spill = SpillDir(nvme_dir, io_threads, io_mode)
         self.step = 0  # names this step's files
         self._writes: deque[tuple[Future, int]] = deque()  # writes in flight: (future, staging bytes)
         self._reads: deque[Future] = deque()  # reads issued
@@ -280,11 +437,12 @@ class NvmeTier(Tier):
 
     # ------------------------------------------------------------------ store: stage, then write
     def store(self, layer: int, t: torch.Tensor, layout: Layout) -> Entry:
-        entry, staging = self._copy_off_device(layer, t, layout)
-        self._submit_write(entry, staging)
+        # staged at an IO_ALIGN-aligned address in every mode (the mode is known once the directory exists)
+        entry, staging, region = self._copy_off_device(layer, t, layout, align=IO_ALIGN)
+        self._submit_write(entry, staging, region)
         return entry
 
-    def _submit_write(self, entry: Entry, staging: torch.Tensor) -> None:
+    def _submit_write(self, entry: Entry, staging: torch.Tensor, region: torch.Tensor) -> None:
         spill, acct, pool = self.spill, self.ctx.acct, self.ctx.pool
         nbytes = entry.layout.nbytes
         f = spill.file(self.step, entry.layer)
@@ -294,6 +452,7 @@ class NvmeTier(Tier):
         # bound the staging memory of writes in flight: wait for the oldest ones first
         inflight = sum(n for _, n in self._writes)
         while self._writes and inflight + nbytes > self.max_inflight_bytes:
+            self.ctx.host_sync("activations: nvme staging bound reached, waiting for the oldest spill write")
             fut, n = self._writes.popleft()
             with contextlib.suppress(Exception):
                 fut.result()
@@ -311,7 +470,7 @@ class NvmeTier(Tier):
                     delay.sleep()
                 if event is not None:
                     event.synchronize()  # the D2H copy into the pinned staging buffer
-                _pwrite_all(f.fd, _bytes_of(staging[:nbytes]), entry.offset)
+                spill.write(f, region, nbytes, entry.offset)
             except OSError as e:
                 failure(e, nbytes, layer)
                 raise
@@ -357,22 +516,25 @@ class NvmeTier(Tier):
     def _read(self, entry: Entry, narrow: torch.Tensor, storage: torch.Tensor, alloc_event: Any) -> Any:
         """Background reader: spill file -> device tensor. Returns the lane event of the H2D copy (None when
         synchronous)."""
-        ctx = self.ctx
+        ctx, spill = self.ctx, self.spill
         layout, f = entry.layout, entry.file
+        nbytes = layout.nbytes
         entry.write_future.result()  # reads follow the write of the same bytes
         if self._io_delay is not None:
             self._io_delay.sleep()
-        if not ctx.is_async and layout.dense:
-            _pread_all(f.fd, _bytes_of(layout.landing_bytes(storage)), entry.offset)  # lands in place
+        if not ctx.is_async and layout.dense and not spill.direct:
+            spill.read(f, layout.landing_bytes(storage), nbytes, entry.offset)  # lands in place
             return None
-        staging = ctx.pool.get(layout.nbytes)
-        _pread_all(f.fd, _bytes_of(staging[: layout.nbytes]), entry.offset)
+        # O_DIRECT reads whole aligned blocks into an aligned buffer: through staging, as on CUDA
+        staging = ctx.pool.get(round_up(nbytes, IO_ALIGN) + IO_ALIGN)
+        region = aligned(staging, nbytes, IO_ALIGN)
+        spill.read(f, region, nbytes, entry.offset)
         if not ctx.is_async:
-            narrow.copy_(layout.host_view(staging))
+            narrow.copy_(layout.host_view(region))
             ctx.pool.put(staging)
             return None
         # See Note: [H2D waits for the block's previous users]
-        ev = ctx.lanes["h2d"].copy(narrow, layout.host_view(staging), after=(alloc_event,))
+        ev = ctx.lanes["h2d"].copy(narrow, layout.host_view(region), after=(alloc_event,))
         ctx.pool.put(staging, ev)  # See Note: [Pool buffers carry their last copy]
         return ev
 
@@ -382,6 +544,8 @@ class NvmeTier(Tier):
         self.prefetch(entry)
         fut = entry.reload_future
         if fut is not None:
+            if not fut.done():
+                self.ctx.host_sync("activations: unpack waits for an NVMe read")
             try:
                 ev = fut.result()
             except OSError as e:
@@ -405,6 +569,8 @@ class NvmeTier(Tier):
     # ------------------------------------------------------------------ step
     def wait_io(self) -> None:
         """Wait for every write and read in flight (before files are closed: their fds must stay valid)."""
+        if self._writes or self._reads:
+            self.ctx.host_sync("activations: waiting for every spill write and read in flight")
         for fut, _ in list(self._writes):
             with contextlib.suppress(Exception):
                 fut.result()

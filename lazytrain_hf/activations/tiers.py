@@ -15,7 +15,7 @@ owns no policy: which tier a tensor goes to is the router's decision, from the p
 
 from __future__ import annotations
 
-import contextlib
+import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
@@ -26,6 +26,22 @@ from .. import streams
 from .accounting import Accountant
 from .layout import Layout
 from .pool import HostBufferPool
+
+
+def round_up(n: int, align: int) -> int:
+    return -(-n // align) * align if align > 1 else n
+
+
+def aligned(buf: torch.Tensor, nbytes: int, align: int) -> torch.Tensor:
+    """The ``round_up(nbytes, align)`` bytes of the uint8 buffer ``buf`` that start at an address aligned to
+    ``align`` (``buf`` must hold ``round_up(nbytes, align) + align`` bytes); ``buf`` itself when ``align <= 1``."""
+    if align <= 1:
+        return buf
+    pad = (-buf.data_ptr()) % align
+    out = buf[pad : pad + round_up(nbytes, align)]
+    if out.numel() < round_up(nbytes, align):
+        raise ValueError(f"a buffer of {buf.numel()} bytes holds no {align}-aligned region of {nbytes} bytes.")
+    return out
 
 
 class Entry:
@@ -47,6 +63,7 @@ class Entry:
         "reloaded",
         "reload_key",
         "reload_event",
+        "reload_waited",
         "reload_future",
         "reload_stream",
         "__weakref__",
@@ -66,6 +83,7 @@ class Entry:
         self.reloaded: torch.Tensor | None = None  # the device tensor handed to autograd
         self.reload_key: int | None = None
         self.reload_event: Any = None
+        self.reload_waited = False  # the compute side waited for `reload_event` (Note: [Released reloads ...])
         self.reload_future: Future | None = None
         self.reload_stream: Any = None
 
@@ -88,6 +106,15 @@ class TierContext:
         self.pool = HostBufferPool(pin_memory=pin_memory, poison=self.is_async and device.type == "cpu")
         self.inflight: deque[tuple[Any, torch.Tensor, int | None]] = deque()  # (event, source, acct key)
         self.layer_bytes: dict[int, dict[str, int]] = {}
+        self.trace: Any = None  # the executor's `Trace` (lazytrain_hf.streaming.trace), when attached to one
+
+    def record(self, lane: str, nbytes: int, dtype: Any, layer: int | None, what: str) -> None:
+        if self.trace is not None:
+            self.trace.transfer(lane, nbytes, dtype, layer, what)
+
+    def host_sync(self, reason: str) -> None:
+        if self.trace is not None and threading.current_thread() is threading.main_thread():
+            self.trace.host_sync(reason)
 
     def count_layer(self, layer: int, tier: str, n: int) -> None:
         d = self.layer_bytes.setdefault(layer, {"gpu": 0, "cpu": 0, "nvme": 0})
@@ -100,6 +127,8 @@ class TierContext:
             self.acct.remove_storage(key)
 
     def drain_inflight(self) -> None:
+        if self.inflight:
+            self.host_sync("activations: end of step waits for the offload copies still reading their sources")
         while self.inflight:
             ev, _, key = self.inflight.popleft()
             ev.synchronize()
@@ -159,21 +188,27 @@ class Tier:
         out = entry.reloaded
         if ctx.is_async:
             ctx.lanes.compute_wait(entry.reload_event)
+            entry.reload_waited = True
         if ctx.device.type == "cuda":
             cur = torch.cuda.current_stream(ctx.device)
             if entry.reload_stream is not None and entry.reload_stream != cur:
                 out.record_stream(cur)  # allocated on another stream than the one that frees it
         return out
 
-    def _copy_off_device(self, layer: int, t: torch.Tensor, layout: Layout) -> tuple[Entry, torch.Tensor]:
+    def _copy_off_device(
+        self, layer: int, t: torch.Tensor, layout: Layout, align: int = 0
+    ) -> tuple[Entry, torch.Tensor, torch.Tensor]:
         """Copy ``t`` into a pool buffer (the D2H lane when asynchronous): the cpu tier's store and the nvme tier's
-        staging. Returns the entry and the buffer."""
+        staging. Returns the entry, the pool buffer and the region of it that holds the bytes (starting at an
+        ``align``-aligned address, `aligned`; the buffer itself when ``align`` is 0)."""
         ctx = self.ctx
         entry = Entry(layer, self.name, layout)
         nbytes = layout.nbytes
-        buf = ctx.pool.get(nbytes)
-        host = layout.host_view(buf)
+        buf = ctx.pool.get(round_up(nbytes, align) + align if align > 1 else nbytes)
+        region = aligned(buf, nbytes, align)
+        host = layout.host_view(region)
         src = layout.source(t)
+        ctx.record("d2h", nbytes, t.dtype, layer, "offload")
         if ctx.is_async:
             # Note: [D2H waits for the producer]
             # The side stream must not read the activation before the compute stream has written it.
@@ -190,11 +225,29 @@ class Tier:
             host.copy_(src)
         ctx.acct.add("cpu", nbytes)
         ctx.count_layer(layer, self.name, nbytes)
-        return entry, buf
+        return entry, buf, region
 
     def _release_reload(self, entry: Entry) -> bool:
-        """The release steps every tier shares; False when the entry was released already."""
-        acct = self.ctx.acct
+        """The release steps every tier shares; False when the entry was released already.
+
+        Note: [Released reloads free behind their copy]
+        Releasing a reloaded entry (from `Saved.__del__` on the autograd thread, or at `end_step`) drops the device
+        storage the H2D copy wrote; the caching allocator may hand that block to the next kernel of the stream it
+        was allocated on (`Entry.reload_stream`, the compute stream). No host wait is needed for that:
+
+        - when the compute side consumed the reload (`_wait_reload`, ``reload_waited``), its stream already waits
+          for the copy's event, so every later kernel of that stream runs after the copy (and a consumer on another
+          stream holds the block through ``record_stream``);
+        - when it did not (released before backward unpacked it), the allocation stream is made to wait for the
+          copy's event here (``reload_stream.wait_event``): a device-side wait, not a host one;
+        - the host buffer the copy read is safe already: the pool carries the copy's event (Note: [Pool buffers
+          carry their last copy]); a simulated copy's closure holds its tensors until it ran.
+
+        Only an NVMe read still in flight on a reader thread blocks (the thread writes into the storage and returns
+        the event): counted as a host sync.
+        """
+        ctx = self.ctx
+        acct = ctx.acct
         with acct.lock:
             if entry.released:
                 return False
@@ -204,11 +257,15 @@ class Tier:
                 acct.remove_storage(entry.acct_key)
                 entry.acct_key = None
             fut = entry.reload_future
+        ev = entry.reload_event
         if fut is not None:
-            with contextlib.suppress(Exception):
-                fut.result()  # the reader writes into `reloaded`: let it finish before dropping it
-        if entry.reload_event is not None:
-            entry.reload_event.synchronize()
+            ctx.host_sync("activations: a reload released before use waits for its NVMe read")
+            try:
+                ev = fut.result()  # the reader writes into `reloaded`: let it finish before dropping it
+            except Exception:
+                ev = None  # the read failed: no copy was issued
+        if ev is not None and not entry.reload_waited and entry.reload_stream is not None:
+            entry.reload_stream.wait_event(ev)  # See Note: [Released reloads free behind their copy]
         with acct.lock:
             entry.reloaded = None
             entry.reload_future = None
@@ -249,13 +306,14 @@ class HostTier(Tier):
     name = "cpu"
 
     def store(self, layer: int, t: torch.Tensor, layout: Layout) -> Entry:
-        entry, buf = self._copy_off_device(layer, t, layout)
+        entry, buf, _ = self._copy_off_device(layer, t, layout)
         entry.host = buf
         return entry
 
     def _issue_reload(self, entry: Entry, storage: torch.Tensor, narrow: torch.Tensor) -> None:
         ctx = self.ctx
         src = entry.layout.host_view(entry.host)
+        ctx.record("h2d", entry.layout.nbytes, src.dtype, entry.layer, "reload")
         if ctx.is_async:
             # Note: [H2D waits for the block's previous users]
             # `storage` was allocated on the current stream, whose earlier kernels may still use the block it
