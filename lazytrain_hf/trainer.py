@@ -530,10 +530,21 @@ class LazyTrainer(Trainer):
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
         if self._updater is not None:
             self._updater.wait_all()  # weights of every layer updated before they are written
-        # Streamed parameters point at their host copy while unbound, so `state_dict()` reads host memory: the
-        # weights are written straight from the host store, never gathered on the device.
-        super()._save(output_dir, state_dict=state_dict)
         output_dir = output_dir if output_dir is not None else self.args.output_dir
+        if self.stream_handle is not None and state_dict is None and checkpoints.streams_weights(self.model):
+            # Note: [Checkpoints are streamed from the host store] in training/checkpoints.py: streamed parameters
+            # point at their host copy while unbound, so the weights are written from it layer by layer, never
+            # gathered on the device nor copied whole; the rest as Trainer._save writes it
+            if self.args.should_save:
+                from transformers.trainer import TRAINING_ARGS_NAME
+
+                checkpoints.save_streamed(self.model, output_dir)
+                tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(output_dir)
+                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+        else:
+            super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save and self.lazy_plan is not None:
             checkpoints.write_plan(self.lazy_plan, output_dir)
 

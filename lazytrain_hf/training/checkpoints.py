@@ -6,14 +6,16 @@ check of every file a resume reads (`verify_checkpoint`), which checkpoint a res
 the model card section, and the weights a resume loads in the format `save_pretrained` wrote them
 (`load_checkpoint_weights`, Note: [Checkpoint weights in the saved format]). Functions take directories, plans, the
 model and the executor's objects (`StreamHandle`, `LayerwiseUpdater`) as arguments: this module never imports
-`transformers.Trainer`, never writes weights, optimizer or scheduler files (Trainer's `_save_checkpoint` does, into
-the staging directory) and moves nothing between host and device.
+`transformers.Trainer`, never writes optimizer or scheduler files (Trainer's `_save_checkpoint` does, into the
+staging directory) and moves nothing to the device. The weights of a streamed model are written here, layer by layer
+from the host store (`save_streamed`, Note: [Checkpoints are streamed from the host store]).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import math
 import os
 import shutil
 
@@ -48,9 +50,8 @@ def publish_checkpoint(staging_root: str, final: str, masters: dict[str, torch.T
     checkpoints]); ``staging_root`` is removed."""
     staged = os.path.join(staging_root, os.path.basename(final))
     if masters:
-        from safetensors.torch import save_file
-
-        save_file(masters, os.path.join(staged, MASTER_FILE))
+        # Note: [Checkpoints are streamed from the host store]: written tensor by tensor from the store's views
+        write_safetensors(os.path.join(staged, MASTER_FILE), list(masters.items()))
     _fsync_tree(staged)
     if os.path.exists(final):
         old = final + f".old-{os.getpid()}"
@@ -141,10 +142,12 @@ def separate_masters(handle, updater, store: bool = True, resident: bool = True)
 
 
 def unsaved_masters(handle, updater) -> dict[str, torch.Tensor]:
-    """Copies of `separate_masters()` once the optimizer step in flight (if any) has finished."""
+    """`separate_masters()` (views of the host store, not copies: Note: [Checkpoints are streamed from the host
+    store]) once the optimizer step in flight (if any) has finished. Nothing updates them until the save is over:
+    the next optimizer step runs after it."""
     if updater is not None:
         updater.wait_all()
-    return {n: t.detach().contiguous().clone() for n, t in separate_masters(handle, updater).items()}
+    return {n: t.detach() for n, t in separate_masters(handle, updater).items()}
 
 
 def restore_masters(checkpoint: str | None, handle, updater, where: str) -> None:
@@ -165,6 +168,201 @@ def restore_masters(checkpoint: str | None, handle, updater, where: str) -> None
                     "written for another model. Resume from a checkpoint of this model."
                 )
             dst.copy_(saved[name])
+
+
+# ---------------------------------------------------------------------- streamed safetensors
+# Note: [Checkpoints are streamed from the host store]
+#     `save_pretrained` (and `safetensors.torch.save_file`) build each shard's bytes in memory before writing: a
+#     second copy of the whole model in RAM during every save, and the fp32 masters were cloned besides. A streamed
+#     run writes its weights with `write_model_weights` instead: the header of every file is computed first from the
+#     shapes and dtypes (the saved names and format come from transformers' `revert_weight_conversion` applied to meta
+#     tensors, one decoder layer at a time, so MoE experts are saved per expert as `save_pretrained` saves them), then
+#     each layer's tensors are converted and written straight from the host store's views, one layer at a time; the
+#     only transient is what one layer's conversion materialises (plus one resident tensor copied off the device).
+#     The files are the same as `save_pretrained`'s: `model.safetensors` or shards with `model.safetensors.index.json`
+#     (`metadata.format = "pt"`), read back by Trainer's resume, `load_checkpoint_weights` and `verify_checkpoint`.
+SAFETENSORS_DTYPES = {
+    torch.float64: "F64",
+    torch.float32: "F32",
+    torch.float16: "F16",
+    torch.bfloat16: "BF16",
+    torch.int64: "I64",
+    torch.int32: "I32",
+    torch.int16: "I16",
+    torch.int8: "I8",
+    torch.uint8: "U8",
+    torch.bool: "BOOL",
+    torch.float8_e4m3fn: "F8_E4M3",
+    torch.float8_e5m2: "F8_E5M2",
+}
+
+
+class SafetensorsWriter:
+    """Write a safetensors file tensor by tensor, in a declared order, without holding the file in memory.
+
+    Args:
+        path: the file to write.
+        specs: ``[(name, dtype, shape)]`` in the order the tensors will be written (their data offsets follow it).
+        metadata: the header's ``__metadata__`` (string values).
+    """
+
+    def __init__(
+        self, path: str, specs: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict | None = None
+    ) -> None:
+        header: dict = {"__metadata__": dict(metadata)} if metadata else {}
+        offset = 0
+        self._order: list[tuple[str, torch.dtype, tuple[int, ...], int]] = []
+        for name, dtype, shape in specs:
+            if dtype not in SAFETENSORS_DTYPES:
+                raise TypeError(f"tensor {name!r} has dtype {dtype}, which safetensors cannot store.")
+            nbytes = math.prod(shape) * dtype.itemsize
+            header[name] = {
+                "dtype": SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [offset, offset + nbytes],
+            }
+            self._order.append((name, dtype, tuple(shape), nbytes))
+            offset += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # the data starts 8-byte aligned, as safetensors pads it
+        self.path = path
+        self._f = open(path, "wb")
+        self._f.write(len(raw).to_bytes(8, "little"))
+        self._f.write(raw)
+        self._next = 0
+
+    def write(self, name: str, tensor: torch.Tensor) -> None:
+        """Write the next tensor (it must be the next one declared, with its dtype and shape)."""
+        if self._next >= len(self._order):
+            raise ValueError(f"{self.path}: tensor {name!r} written after every declared tensor.")
+        want, dtype, shape, nbytes = self._order[self._next]
+        if name != want or tensor.dtype != dtype or tuple(tensor.shape) != shape:
+            raise ValueError(
+                f"{self.path}: expected tensor {want!r} ({dtype}, {shape}) next, got {name!r} "
+                f"({tensor.dtype}, {tuple(tensor.shape)})."
+            )
+        t = tensor.detach()
+        if t.device.type != "cpu":
+            t = t.to("cpu")
+        t = t.contiguous()  # a view of the host store is contiguous already: no copy
+        if nbytes:
+            self._f.write(memoryview(t.reshape(-1).view(torch.uint8).numpy()))
+        self._next += 1
+
+    def close(self) -> None:
+        missing = [n for n, *_ in self._order[self._next :]]
+        self._f.close()
+        if missing:
+            raise ValueError(f"{self.path}: {len(missing)} declared tensor(s) never written: {missing[:5]}.")
+
+
+def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict | None = None) -> None:
+    """``safetensors.torch.save_file`` without building the file in memory: each tensor written from its storage."""
+    w = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], metadata or {"format": "pt"})
+    try:
+        for n, t in tensors:
+            w.write(n, t)
+    finally:
+        w._f.close()
+    w.close()
+
+
+def save_streamed(model, output_dir: str, max_shard_size: int | str = "50GB") -> None:
+    """`save_pretrained` of a streamed ``model`` with its weights written by `write_model_weights` (Note:
+    [Checkpoints are streamed from the host store]): `save_pretrained` writes everything but the weights (config,
+    generation config, custom code) from an empty state dict, then the weights replace its empty weights file."""
+    os.makedirs(output_dir, exist_ok=True)
+    model.save_pretrained(output_dir, state_dict={}, is_main_process=True, max_shard_size=max_shard_size)
+    write_model_weights(model, output_dir, max_shard_size=max_shard_size)
+
+
+def streams_weights(model) -> bool:
+    """`save_streamed` applies: a `PreTrainedModel` (a PEFT model saves its adapters only, through its own
+    `save_pretrained`)."""
+    return _is_pretrained(model)
+
+
+def _weight_groups(model) -> list[list[str]]:
+    """The model's saved state-dict names grouped for conversion and writing: one group per decoder layer (every
+    key under ``<layers>.<i>.``), every other key alone; in state-dict order."""
+    import re
+
+    from .. import models
+
+    saved = _saved_names(model)
+    prefix = None
+    try:
+        spec = models.get_spec(model)
+        prefix = spec.layers + "."
+    except Exception:  # not a supported model: one group per key
+        prefix = None
+    groups: dict[str, list[str]] = {}
+    for name in model.state_dict():
+        if name not in saved:
+            continue
+        key = name
+        if prefix is not None and name.startswith(prefix):
+            m = re.match(r"(\d+)\.", name[len(prefix) :])
+            if m:
+                key = prefix + m.group(1)
+        groups.setdefault(key, []).append(name)
+    return list(groups.values())
+
+
+def _converted_group(model, sd: dict[str, torch.Tensor], names: list[str]) -> list[tuple[str, torch.Tensor]]:
+    from transformers.core_model_loading import revert_weight_conversion
+
+    out = revert_weight_conversion(model, {n: sd[n] for n in names})
+    return list(out.items())
+
+
+def write_model_weights(model, output_dir: str, max_shard_size: int | str = "50GB") -> list[str]:
+    """Write ``model``'s weights as `save_pretrained` would (names, format, sharding, index) into ``output_dir``,
+    one decoder layer at a time from wherever each parameter lives (Note: [Checkpoints are streamed from the host
+    store]). Returns the files written."""
+    from huggingface_hub.serialization._base import parse_size_to_int
+
+    limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
+    sd = model.state_dict()
+    groups = _weight_groups(model)
+    # pass 1: names, dtypes and shapes of what each group writes (the conversion on meta tensors)
+    planned: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = []
+    for names in groups:
+        meta = {n: torch.empty(sd[n].shape, dtype=sd[n].dtype, device="meta") for n in names}
+        planned.append([(k, t.dtype, tuple(t.shape)) for k, t in _converted_group(model, meta, names)])
+    # shards: groups packed in order, a new shard when the next group would pass the limit (a group is never split)
+    shards: list[list[int]] = [[]]
+    size = 0
+    for gi, specs in enumerate(planned):
+        nbytes = sum(math.prod(sh) * dt.itemsize for _, dt, sh in specs)
+        if shards[-1] and size + nbytes > limit:
+            shards.append([])
+            size = 0
+        shards[-1].append(gi)
+        size += nbytes
+    n = len(shards)
+    names_of = [WEIGHTS_FILE] if n == 1 else [f"model-{k + 1:05d}-of-{n:05d}.safetensors" for k in range(n)]
+    for stale in (WEIGHTS_FILE, WEIGHTS_INDEX_FILE):
+        if stale not in names_of and os.path.exists(os.path.join(output_dir, stale)):
+            os.remove(os.path.join(output_dir, stale))
+    weight_map: dict[str, str] = {}
+    total = 0
+    for fname, members in zip(names_of, shards):
+        specs = [spec for gi in members for spec in planned[gi]]
+        w = SafetensorsWriter(os.path.join(output_dir, fname), specs, {"format": "pt"})
+        try:
+            for gi in members:
+                for key, t in _converted_group(model, sd, groups[gi]):  # one layer materialised at a time
+                    w.write(key, t)
+                    weight_map[key] = fname
+                    total += t.numel() * t.element_size()
+        finally:
+            w._f.close()
+        w.close()
+    if n > 1:
+        index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        atomic_write_text(os.path.join(output_dir, WEIGHTS_INDEX_FILE), json.dumps(index, indent=2, sort_keys=True))
+    return [os.path.join(output_dir, f) for f in names_of]
 
 
 # ---------------------------------------------------------------------- reading
