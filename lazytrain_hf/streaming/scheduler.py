@@ -1,8 +1,10 @@
 """Fetch scheduler of the streaming executor: what is issued at each stage, and what a fetch must wait for.
 
 Owns the stage counter of a step (``_stage``), the plan's issue schedule (``_schedule``, ``_bwd_issue``), deferred
-issues (a prefetch that found no free slot is retried when one is released), and the guards that order the
-optimizer against the executor: ``fetch_guard`` (update before fetch, and before a resident layer's forward),
+issues (a prefetch that found no free slot, or whose layer's update is not done yet, is retried at the next stage
+or when a slot is released), and the guards that order the optimizer against the executor: ``fetch_guard`` (update
+before fetch, and before a resident layer's forward), ``fetch_ready`` (the non-blocking form a prefetch asks, Note:
+[A prefetch never waits for the optimizer]),
 ``resident_guard`` (every forward waits for the non-streamed parameters' update), the release and upload of
 resident slots, and `sync_compute`. It does not bind parameters (`binder.py`) or move gradients (`gradients.py`).
 """
@@ -11,13 +13,32 @@ from __future__ import annotations
 
 
 class FetchScheduler:
-    """`StreamHandle`'s transfer scheduling and optimizer-side ordering (see the module docstring)."""
+    """`StreamHandle`'s transfer scheduling and optimizer-side ordering (see the module docstring).
+
+    Note: [A prefetch never waits for the optimizer]
+        With the optimizer overlapping the next forward, a prefetch may be issued for a layer whose update of the
+        previous step is still running. ``fetch_guard(i)`` would block the host (and with it every kernel launch of
+        the layers in flight) until that update is done; instead a prefetch asks ``fetch_ready(i)`` (non-blocking,
+        `LayerwiseUpdater.layer_updated`) and, when the update is not done, is deferred like a prefetch that found
+        no free slot: retried at the start of the next stage and whenever a slot is released. Only an urgent fetch
+        (the layer is needed now) waits in ``fetch_guard``. Without ``fetch_ready`` every fetch waits as before.
+        Test: ``tests/test_cuda_path.py::test_prefetch_deferred_while_layer_updates`` (deferrals counted, values
+        bit-exact with the run without overlap).
+    """
+
+    # Note: [A prefetch never waits for the optimizer]: fetch_ready(layer) -> whether a fetch may read the layer's
+    # host compute copy now (its update is done); set by the layer-wise updater next to ``fetch_guard``
+    fetch_ready = None
+    fetch_deferrals: int = 0  # prefetches deferred because their layer's update was not done
 
     def _fetch(self, i: int, urgent: bool) -> bool:
         st = self._all[i]
         if st.store is None or st.slot is not None:
             return True
         if self.fetch_guard is not None:
+            if not urgent and self.fetch_ready is not None and not self.fetch_ready(i):
+                self.fetch_deferrals += 1  # Note: [A prefetch never waits for the optimizer]
+                return False
             self.fetch_guard(i)
         if st.transient:
             slot = self.engine.transient_slot(st.kind, st.store.nbytes)
@@ -55,6 +76,8 @@ class FetchScheduler:
         """Start every stage up to ``s`` not started yet: issue what the plan lists for it."""
         while self._stage < s:
             self._stage += 1
+            if self._deferred:
+                self._retry_deferred()  # Note: [A prefetch never waits for the optimizer]
             for what, i in self._schedule.get(self._stage, ()):
                 self._issue(what, i)
 

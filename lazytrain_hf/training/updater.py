@@ -44,6 +44,17 @@ class LayerwiseUpdater:
         ``tests/test_plan_space.py`` (the property test with ``optimizer_overlap`` and resident layers under the
         simulated asynchronous engine, and one regression test per guard).
 
+    Note: [Resident gradients cross asynchronously]
+        `run()` takes a resident parameter's device gradient over by issuing its copy to the host on the D2H lane
+        (after the compute that produced it), into a staging buffer of the gradient's own dtype (pinned on CUDA,
+        reused every step); the update (on the background thread with ``overlap``) waits for that copy's event and
+        upcasts into a reused fp32 host gradient, so the training thread never blocks on the copy and a bf16
+        gradient moves 2 bytes per parameter. The updated master is converted to the parameter's dtype on the host
+        before it is copied back. The trainer clears the model's ``.grad`` right after `run()` (set to None, never
+        zeroed in place), so the tensor the copy reads stays as it was. Test:
+        ``tests/test_cuda_path.py::test_resident_grads_async_bit_exact`` (bf16, simulated engine, bit-exact with
+        the synchronous engine).
+
     Note: [The compute copy is written in the fused pass]
         For a layer whose trainable compute copy is bf16 (and not the master itself), the fused optimizer pass
         writes the bf16 weights straight into the host compute copy (``out_bf16``), so no second pass over the layer
@@ -85,7 +96,10 @@ class LayerwiseUpdater:
         self._where: dict[int, tuple[int, int]] = {}
         # LAZYTRAIN_SIMULATE_ASYNC=1: the background update lags by seeded random delays (lazytrain_hf.streams)
         self._delay = SimDelay("optimizer") if overlap and simulate_async() else None
+        # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad)
+        self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
         handle.fetch_guard = self.wait_layer
+        handle.fetch_ready = self.layer_updated  # Note: [A prefetch never waits for the optimizer] (scheduler.py)
         handle.resident_guard = self.wait_resident
 
     def named_masters(self) -> list[tuple[str, torch.Tensor]]:
@@ -111,15 +125,17 @@ class LayerwiseUpdater:
         step = trace.step_index  # this update's transfers belong to the step that produced the gradients
         # take the gradients over now (Note: [Update before fetch])
         resident = []
-        for _, p, master in self.resident:
+        for name, p, master in self.resident:
             g = p.grad
+            pending = None
             if g is not None and id(master) in self._aliased:
                 master.grad = g  # the model's `.grad` may be cleared now: the alias keeps the tensor
+            elif g is None:
+                master.grad = None
             else:
-                if g is not None:
-                    trace.transfer("d2h", g.numel() * g.element_size(), g.dtype, None, "grad")
-                master.grad = None if g is None else g.detach().to("cpu", torch.float32)
-            resident.append((p, master))
+                trace.transfer("d2h", g.numel() * g.element_size(), g.dtype, None, "grad")
+                pending = self._resident_grad_d2h(name, g, master)  # Note: [Resident gradients cross asynchronously]
+            resident.append((p, master, pending))
         layers = []
         for i, entries in self.layers.items():
             fresh = self.handle.store.layers[i].has_grad
@@ -136,6 +152,36 @@ class LayerwiseUpdater:
             self._work(*work)
             self._raise()
             self.handle.wait_uploads()  # the model reads as updated once the step returns
+
+    def _resident_grad_d2h(self, name: str, g: torch.Tensor, master: torch.Tensor):
+        """Issue the copy of a resident parameter's device gradient to the host; returns what `_take_resident_grad`
+        waits for (None when the copy is done). Note: [Resident gradients cross asynchronously]."""
+        lanes = self.handle.engine.lanes
+        if lanes is None:  # synchronous CPU engine: the copy is the upcast itself
+            master.grad = g.detach().to("cpu", torch.float32)
+            return None
+        bufs = self._res_bufs.get(name)
+        if bufs is None or bufs[0].shape != g.shape or bufs[0].dtype != g.dtype:
+            staging = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.handle.engine.is_cuda)
+            host32 = staging if g.dtype == torch.float32 else torch.empty(g.shape, dtype=torch.float32)
+            bufs = self._res_bufs[name] = (staging, host32)
+        staging, host32 = bufs
+        lane = lanes["d2h"]
+        lane.hold(g)  # Note: [Gradient memory outlives its D2H copy] in streaming/engine.py
+        ev = lane.copy(staging, g.detach(), after_compute=True)
+        master.grad = None
+        return ev, staging, host32
+
+    def _take_resident_grad(self, master: torch.Tensor, pending) -> None:
+        if pending is None:
+            return
+        ev, staging, host32 = pending
+        if threading.current_thread() is threading.main_thread():
+            self.handle.trace.host_sync("resident gradient D2H")  # only without overlap
+        ev.synchronize()
+        if host32 is not staging:
+            host32.copy_(staging)  # upcast on the host: the gradient crossed in its own dtype
+        master.grad = host32
 
     def _update(
         self, frozen: list[dict], params: list[torch.Tensor], clip: float | None, outs: list | None = None
@@ -160,12 +206,15 @@ class LayerwiseUpdater:
         try:
             with torch.no_grad(), trace.in_step(step):
                 t0 = clock()
-                self._update(frozen, [m for _, m in resident], clip)
-                for p, master in resident:
+                for _, master, pending in resident:
+                    self._take_resident_grad(master, pending)  # Note: [Resident gradients cross asynchronously]
+                self._update(frozen, [m for _, m, _ in resident], clip)
+                for p, master, _ in resident:
                     if id(master) not in self._aliased:
                         if master.grad is not None:
                             trace.transfer("h2d", p.numel() * p.element_size(), p.dtype, None, "upload")
-                        p.data.copy_(master, non_blocking=True)
+                        # converted on the host: the parameter's own bytes cross, no fp32 temporary on the device
+                        p.data.copy_(master if p.dtype == master.dtype else master.to(p.dtype))
                     master.grad = None
                 trace.update("resident", t0, clock())
                 self._resident_done.set()
@@ -193,6 +242,12 @@ class LayerwiseUpdater:
             err, self._error = self._error, None
             raise RuntimeError("the layer-wise optimizer step failed") from err
 
+    def layer_updated(self, i: int) -> bool:
+        """Whether layer ``i``'s update of the last `run()` is done (never blocks): a prefetch of the layer may read
+        its host compute copy now. Note: [A prefetch never waits for the optimizer] in streaming/scheduler.py."""
+        ev = self._events.get(i)
+        return ev is None or ev.is_set()
+
     def wait_layer(self, i: int) -> None:
         ev = self._events.get(i)
         if ev is not None:
@@ -216,4 +271,5 @@ class LayerwiseUpdater:
             self.wait_all()
         finally:
             self.handle.fetch_guard = None
+            self.handle.fetch_ready = None
             self.handle.resident_guard = None
