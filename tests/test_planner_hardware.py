@@ -55,11 +55,33 @@ def test_measure_is_fast_and_sane(tmp_path):
     assert path.exists() and HardwareProfile.from_json(str(path)) == p
     assert 0.5 < p.h2d_gbps < 500 and p.nvme_write_gbps > 0 and p.cpu_optimizer_params_per_s > 1e6
     assert 0.001 < p.peak_tflops < 100 and p.device_type == "cpu"
+    # the CPU device measured per compute class at layer shapes, memory-bound passes and kernels; lanes serial
+    assert set(p.efficiency) == {"attention", "attention_bwd", "linear_attention", "moe"}
+    assert all(0 < e <= 1 for e in p.efficiency.values()) and p.achievable_fraction == 1.0
+    assert 0.05 < p.memory_gbps < 1000 and 0 < p.kernel_overhead_s < 1e-3 and p.serial_lanes
     assert measure(cache_path=str(path)) == p  # cached
     # a measured profile plans like a bundled one
     cm = CostModel.from_config(get_config("qwen2.5-3b"), p, 256, 1)
     plan = milp.solve(cm, gpu_budget=8 * 2**30, solver="cbc")
     assert plan.predicted["step_time_s"] > 0
+
+
+def test_profile_class_rates_and_old_files(tmp_path):
+    h800 = get_profile("h800")
+    assert h800.rate("gemm") == pytest.approx(h800.flops_per_s)
+    assert h800.rate("attention") == pytest.approx(989.5e12 * h800.efficiency["attention"])
+    with pytest.raises(ValueError, match="compute_class='tensor'"):
+        h800.rate("tensor")
+    # a profile written before the per-class fields loads, and models neither memory passes nor kernels
+    data = h800.to_dict()
+    for key in ("memory_gbps", "kernel_overhead_s", "efficiency"):
+        data.pop(key)
+    old = HardwareProfile.from_dict(data)
+    assert old.memory_gbps == 0 and old.rate("moe") == old.flops_per_s
+    with pytest.raises(ValueError, match="efficiency key 'gemm'"):
+        HardwareProfile.from_dict({**data, "efficiency": {"gemm": 0.5}})
+    with pytest.raises(ValueError, match=r"efficiency\['moe'\]=1.5"):
+        HardwareProfile.from_dict({**data, "efficiency": {"moe": 1.5}})
 
 
 def test_measure_rejects_bad_arguments():

@@ -14,6 +14,12 @@ save them; `tests/test_planner_costmodel.py` checks the formulas against `torch.
 on tiny qwen2 / qwen3 / qwen3_moe / qwen3_5_text models. FLOPs follow the usual 2 * m * n * k per GEMM (nanoGPT
 ``estimate_mfu``, Megatron-LM's Narayanan et al. 2021, appendix) with the causal attention GEMMs halved (flash
 kernels skip masked blocks); backward is 2x forward.
+
+Times (`layer_compute_terms`, `layer_seconds`, `head_seconds`): each layer's FLOPs split by compute class (dense
+GEMMs, attention core, gated-delta-rule core, MoE experts), each at its own rate ``P * eta_class`` of the hardware
+profile, plus memory-bound passes (norms, activations, casts, softmax: ``MEMORY_PASSES_* x A`` bytes at ``BW_mem``)
+and a fixed cost per kernel. The constants of the bundled GPU profiles are fitted to published runs or argued from
+kernel measurements (hardware.py; `calibration.residuals()` checks them), the CPU's are measured (`measure`).
 """
 
 from __future__ import annotations

@@ -549,6 +549,114 @@ def _measure_matmul(device: str, n: int, repeats: int) -> float:
     return 2 * n**3 / _median_time(mm, repeats) / 1e12
 
 
+def _cpu_shapes(config: Any, micro_batch_size: int, seq_len: int) -> dict[str, int]:
+    """Layer-like shapes for the CPU probes: the config's when given, else a ~100M-parameter Qwen3 layer."""
+    if config is None:
+        return dict(rows=1024, d=768, inner=2048, H=12, hd=64, T=256)
+    d = int(config.hidden_size)
+    H = int(config.num_attention_heads)
+    hd = int(getattr(config, "head_dim", None) or d // H)
+    inner = int(getattr(config, "intermediate_size", None) or 4 * d)
+    rows = max(256, min(4096, micro_batch_size * seq_len))
+    return dict(rows=rows, d=d, inner=inner, H=H, hd=hd, T=max(64, min(1024, seq_len)))
+
+
+def _measure_cpu_compute(shapes: dict[str, int], repeats: int) -> dict[str, float]:
+    """Rates of the CPU "device" at layer shapes (fp32, what the CPU executor computes in).
+
+    - ``gemm``: FLOP/s of ``linear`` at a decoder layer's projection shapes (tokens x d -> inner, inner -> d,
+      d -> d), total FLOPs over total time (not one square matmul: small-K and skinny shapes run slower);
+    - ``attention`` / ``attention_bwd``: SDPA, causal, FLOPs counted as the cost model does (halved by the mask);
+    - ``linear_attention`` / ``moe``: batched matmuls of the chunked delta rule ([B*H, 64, 128] x [128, 64]) and of
+      grouped experts ([E, rows/E, d] x [E, d, inner/4]);
+    - ``memory_bytes_per_s``: an RMSNorm + SiLU * up block forward and backward, bytes counted the cost model's way
+      (``MEMORY_PASSES_FWD + MEMORY_PASSES_BWD`` times the bytes it saves for backward);
+    - ``kernel_s``: one tiny op with autograd (a chain of scalar multiplies, forward + backward, per kernel).
+    """
+    import torch
+
+    t = shapes
+    rows, d, inner = t["rows"], t["d"], t["inner"]
+    x = torch.randn(rows, d)
+    w_up, w_down, w_sq = torch.randn(inner, d), torch.randn(d, inner), torch.randn(d, d)
+    h = torch.randn(rows, inner)
+    F = torch.nn.functional
+
+    def gemms() -> None:
+        F.linear(x, w_up)
+        F.linear(h, w_down)
+        F.linear(x, w_sq)
+
+    gemms()
+    gemm = 2 * rows * d * (2 * inner + d) / _median_time(gemms, repeats)
+
+    B = max(1, rows // t["T"])
+    q = torch.randn(B, t["H"], t["T"], t["hd"], requires_grad=True)
+    attn_flops = 2 * B * t["H"] * t["T"] ** 2 * t["hd"]
+
+    def sdpa():
+        return F.scaled_dot_product_attention(q, q, q, is_causal=True)
+
+    sdpa()
+    attention = attn_flops / _median_time(sdpa, repeats)
+    out = sdpa()
+    go = torch.randn_like(out)
+
+    def sdpa_bwd() -> None:
+        sdpa().backward(go)
+
+    sdpa_bwd()
+    t_fb = _median_time(sdpa_bwd, repeats)
+    attention_bwd = 2 * attn_flops / max(t_fb - attn_flops / attention, 1e-9)
+
+    bh = max(1, rows // 64) * 4  # (token chunks) x heads
+    a, b = torch.randn(bh, 64, 128), torch.randn(bh, 128, 64)
+    linear = 2 * bh * 64 * 128 * 64 / _median_time(lambda: torch.bmm(a, b), repeats)
+    E = 8
+    ea, eb = torch.randn(E, max(1, rows // E), d), torch.randn(E, d, max(1, inner // 4))
+    moe = 2 * E * max(1, rows // E) * d * max(1, inner // 4) / _median_time(lambda: torch.bmm(ea, eb), repeats)
+
+    xr = torch.randn(rows, inner, requires_grad=True)
+    up = torch.randn(rows, inner, requires_grad=True)
+    nw = torch.ones(inner, requires_grad=True)
+    gz = torch.randn(rows, inner)
+
+    def elementwise() -> None:
+        # Qwen3RMSNorm then SiLU(gate) * up: fp32 upcast, pow/mean/rsqrt, weight, silu, product
+        h32 = xr.float()
+        var = h32.pow(2).mean(-1, keepdim=True)
+        normed = nw * (h32 * torch.rsqrt(var + 1e-6))
+        (F.silu(normed) * up).backward(gz)
+
+    elementwise()
+    from .costmodel import MEMORY_PASSES_BWD, MEMORY_PASSES_FWD, _rmsnorm_saved
+
+    # saved: the RMSNorm's (fp32 in, rsqrt, normed), silu input, silu output and up (the product's operands)
+    saved = _rmsnorm_saved(rows, inner, 4, False) + 3 * rows * inner * 4
+    memory = (MEMORY_PASSES_FWD + MEMORY_PASSES_BWD) * saved / _median_time(elementwise, repeats)
+
+    z = torch.ones(1, requires_grad=True)
+    n_ops = 200
+
+    def tiny() -> None:
+        y = z
+        for _ in range(n_ops):
+            y = y * 1.0
+        y.backward()
+
+    tiny()
+    kernel = _median_time(tiny, repeats) / (3 * n_ops)  # the model counts a forward kernel once, backward twice
+    return dict(
+        gemm=gemm,
+        attention=attention,
+        attention_bwd=attention_bwd,
+        linear_attention=linear,
+        moe=moe,
+        memory_bytes_per_s=memory,
+        kernel_s=kernel,
+    )
+
+
 def measure(
     cache_path: str | None = None,
     device: str | None = None,
@@ -569,9 +677,16 @@ def measure(
 
     Measures pinned copy bandwidth both ways (host memcpy on CPU), NVMe read/write through a temp file in
     ``nvme_dir`` (fsync, page cache dropped before the read), the CPU optimizer rate (``HybridAdamW8bit`` when the
-    package provides it, else torch fused AdamW; named in ``source``), the matmul rate (taken as ``peak_tflops`` with
-    ``achievable_fraction`` 1, since it is already what kernels reach) and, when ``config`` is given, per-kind
-    forward/backward times of one decoder layer at ``micro_batch_size`` x ``seq_len``.
+    package provides it, else torch fused AdamW; named in ``source``), the compute rates and, when ``config`` is
+    given, per-kind forward/backward times of one decoder layer at ``micro_batch_size`` x ``seq_len``.
+
+    Compute rates: on CUDA one ``matmul_size``-square bf16 matmul (taken as ``peak_tflops`` with
+    ``achievable_fraction`` 1, since it is already what kernels reach). On the CPU (fp32, the CPU executor's dtype)
+    every compute class at layer shapes (``config``'s when given, else a ~100M-parameter Qwen3 layer): the GEMM rate
+    of a layer's projections is ``peak_tflops`` (``achievable_fraction`` 1), SDPA forward / backward, the delta
+    rule's and the experts' batched matmuls become ``efficiency`` relative to it, the memory-bound passes of an
+    RMSNorm + SwiGLU block ``memory_gbps`` and one tiny autograd op ``kernel_overhead_s`` (`_measure_cpu_compute`).
+    The profile has ``serial_lanes`` (Note: [Serial lanes on the CPU device]).
 
     Args:
         cache_path: JSON path. When it exists and ``use_cache`` is true it is loaded instead of measuring; otherwise
@@ -595,7 +710,20 @@ def measure(
     h2d, d2h = _measure_copy(device, copy_bytes, repeats)
     nvme_r, nvme_w, nvme_free = _measure_nvme(nvme_dir, nvme_bytes)
     opt_rate, opt_used = _measure_optimizer(optimizer_params, repeats, optimizer)
-    tflops = _measure_matmul(device, matmul_size or (1024 if device == "cpu" else 8192), repeats)
+    efficiency: dict[str, float] = {}
+    memory_gbps = kernel_s = 0.0
+    if device == "cpu":
+        # the CPU "device" at layer shapes: every class as a fraction of the layer-shape GEMM rate
+        rates = _measure_cpu_compute(_cpu_shapes(config, micro_batch_size, seq_len), repeats)
+        tflops = rates["gemm"] / 1e12
+        efficiency = {
+            k: min(1.0, max(1e-4, rates[k] / rates["gemm"]))
+            for k in ("attention", "attention_bwd", "linear_attention", "moe")
+        }
+        memory_gbps = rates["memory_bytes_per_s"] / GB
+        kernel_s = rates["kernel_s"]
+    else:
+        tflops = _measure_matmul(device, matmul_size or 8192, repeats)
     host = int(psutil.virtual_memory().total)
     if device == "cpu":
         dev_mem = host
@@ -616,6 +744,9 @@ def measure(
         host_memory_bytes=host,
         cpu_optimizer_params_per_s=opt_rate,
         device_type="cpu" if device == "cpu" else "cuda",
+        memory_gbps=memory_gbps,
+        kernel_overhead_s=kernel_s,
+        efficiency=efficiency,
         source=f"measured by lazytrain_hf.planner.hardware.measure() on {device} at {time.strftime('%Y-%m-%d')}; "
         f"optimizer: {opt_used}",
     )
@@ -645,9 +776,10 @@ def measure_layer_times(
 
     # Build only as many layers as needed to reach one of every kind, so large configs stay cheap to time.
     n_build = max(first_of_kind.values()) + 1
-    small = hf_config.__class__(**{**hf_config.to_dict(), "num_hidden_layers": n_build, "use_cache": False})
-    if getattr(small, "layer_types", None) is not None:
-        small.layer_types = list(hf_config.layer_types[:n_build])
+    fields = {**hf_config.to_dict(), "num_hidden_layers": n_build, "use_cache": False}
+    if getattr(hf_config, "layer_types", None) is not None:
+        fields["layer_types"] = list(hf_config.layer_types[:n_build])  # validated against num_hidden_layers
+    small = hf_config.__class__(**fields)
     dtype = torch.bfloat16 if device != "cpu" else torch.float32
     model = AutoModelForCausalLM.from_config(small).to(device=device, dtype=dtype)
     model.train()
