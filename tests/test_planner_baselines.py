@@ -135,6 +135,18 @@ def test_step_time_structure():
     assert ev.step_time_s - 2 * L * wt - 1e-9 <= ov.step_time_s < ev.step_time_s
 
 
+def test_published_7b_tflops_on_h100():
+    """MegaTrain publishes 272 TFLOPS (its 6N convention) for Qwen2.5-7B, batch 158, seq 1024 on one H100; the model
+    on the bundled ``h100`` profile must land within 15% (profile datasheet figures, no fitting)."""
+    try:
+        cm = qwen7b(158, "h100")
+    except ValueError:
+        pytest.skip("no bundled h100 hardware profile")
+    ev = baselines.evaluate_megatrain(cm)
+    print(f"h100, batch 158: {ev.tflops_6n:.1f} TFLOPS (6N), step {ev.step_time_s:.2f} s")
+    assert abs(ev.tflops_6n - 272) <= 0.15 * 272
+
+
 def test_megatrain_predictions_keys():
     cm = qwen7b(8)
     plan = baselines.make_baseline("megatrain", cm)
