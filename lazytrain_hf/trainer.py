@@ -139,8 +139,17 @@ class LazyTrainer(Trainer):
         try:
             # Note: [fp32 masters in checkpoints] in training/checkpoints.py
             checkpoints.restore_masters(checkpoint, self.stream_handle, self._updater, "store")
+            # Note: [Squared norms of accumulated gradients] in streaming/gradients.py: norms (and, in data
+            # parallel, reductions) only on the last micro-batch of an optimizer step, as Trainer's gradient state says
+            self.stream_handle.last_micro_batch = lambda: self.accelerator.sync_gradients
             if self.args.world_size > 1:
-                self.stream_handle.grad_reducer = self._all_reduce_layer
+                import torch.distributed as dist
+
+                # Note: [Data parallel reduces the host accumulators once per step]: on their own gloo group (the
+                # host buffers are CPU tensors, reduced on the executor's worker thread on CUDA, so never on the
+                # group the training thread's collectives use)
+                self._dp_host_group = dist.new_group(backend="gloo")
+                self.stream_handle.host_grad_reducer = self._all_reduce_layer
             result = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
             with contextlib.suppress(AttributeError):
@@ -297,19 +306,38 @@ class LazyTrainer(Trainer):
         super()._move_model_to_device(model, device)
 
     def _all_reduce_layer(self, layer: int, grads: list[torch.Tensor]) -> None:
-        """Average one layer's device gradients over the data-parallel ranks, as they are produced."""
+        """Average gradients over the data-parallel ranks in place, in fp32, once per optimizer step: a layer's flat
+        fp32 host accumulator (``layer >= 0`` or a streamed unit, on the gloo group made for them) or the resident
+        parameters' device gradients (``layer == -1``, on the default group).
+
+        Large fp32 tensors are reduced where they are (no copy); the others (bf16 gradients, small fp32 ones such
+        as norms and adapters) go through one fp32 buffer, which is the upcast of a bf16 one, reduced in one call
+        and copied back: a bf16 result is the rank mean within one rounding of bf16 (``2^-8`` relative)."""
         import torch.distributed as dist
 
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        dist.all_reduce(flat)
-        flat.div_(dist.get_world_size())
-        offset = 0
-        for g in grads:
-            n = g.numel()
-            g.copy_(flat[offset : offset + n].view_as(g))
-            offset += n
+        world = dist.get_world_size()
+        group = getattr(self, "_dp_host_group", None) if layer != -1 else None
+        in_place = [g.dtype == torch.float32 and (len(grads) == 1 or g.numel() >= 1 << 16) for g in grads]
+        low = [g for g, keep in zip(grads, in_place) if not keep]
+        for g, keep in zip(grads, in_place):
+            if keep:
+                dist.all_reduce(g, group=group)
+                g.div_(world)
+        if low:
+            flat = torch.empty(sum(g.numel() for g in low), dtype=torch.float32, device=low[0].device)
+            offset = 0
+            for g in low:
+                flat[offset : offset + g.numel()].copy_(g.reshape(-1))
+                offset += g.numel()
+            dist.all_reduce(flat, group=group)
+            flat.div_(world)
+            offset = 0
+            for g in low:
+                g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                offset += g.numel()
 
     def _reduce_resident_grads(self) -> None:
+        """The resident parameters' gradients averaged over the ranks, once per optimizer step (before the norm)."""
         if self.args.world_size <= 1 or self.stream_handle is None or self._resident_reduced:
             return
         grads = [p.grad for _, p in self.stream_handle.resident_parameters() if p.grad is not None]

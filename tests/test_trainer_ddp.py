@@ -1,11 +1,19 @@
-"""Data parallel through torch.distributed (gloo on CPU): gradients are all-reduced per layer as the executor
-produces them; parameters stay identical across ranks and match one process at twice the batch."""
+"""Data parallel through torch.distributed (gloo on CPU): each layer's host fp32 gradient accumulator is all-reduced
+once per optimizer step, after the last micro-batch's addition (Note: [Data parallel reduces the host accumulators
+once per step] in lazytrain_hf/streaming/gradients.py); parameters stay identical across ranks and match one
+process at the global batch.
+
+This file is also the body of its gradient-accumulation test: ``torchrun ... tests/test_trainer_ddp.py --worker``.
+"""
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -51,3 +59,96 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, policy):
 
     initial = tiny_model("qwen3", seed=1).state_dict()
     assert any(not torch.allclose(ref[k], initial[k]) for k in ref)
+
+
+# --------------------------------------------------------------------------- gradient accumulation, reductions counted
+# Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
+# (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of
+# the fp32 gradients differs (4 sequences per matmul vs 2, then the fp32 host reduction), amplified at most to one
+# quantisation step of the 8-bit moments; losses within rel 1e-5 (measured: equal to 1e-7).
+LOSS_RTOL = 1e-5
+
+
+def _worker(argv: list[str]) -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--out", required=True)
+    p.add_argument("--per-device-batch", type=int, default=2)
+    p.add_argument("--ga", type=int, default=2)
+    a = p.parse_args(argv)
+    from safetensors.torch import save_file
+    from trainer_fixtures import make_trainer
+    from transformers import TrainerCallback
+
+    rank = int(os.environ.get("RANK", "0"))
+    trainer = make_trainer(
+        os.path.join(a.out, "run"),
+        max_steps=3,
+        per_device_train_batch_size=a.per_device_batch,
+        gradient_accumulation_steps=a.ga,
+        planner_policy="keep_all",
+        dataloader_drop_last=True,
+    )
+    lock = threading.Lock()
+    step_counts: list[dict[str, int]] = []
+    current: dict[str, int] = {}
+    real_reduce = trainer._all_reduce_layer
+
+    def counting_reduce(layer, grads):
+        with lock:  # called on the executor's worker thread for layers, on the training thread for residents
+            current[str(layer)] = current.get(str(layer), 0) + 1
+        return real_reduce(layer, grads)
+
+    trainer._all_reduce_layer = counting_reduce  # what train() installs as the executor's host_grad_reducer
+
+    class CountPerStep(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            with lock:
+                step_counts.append(dict(current))
+                current.clear()
+
+    trainer.add_callback(CountPerStep())
+    trainer.train()
+    state = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
+    save_file(state, os.path.join(a.out, f"rank{rank}.safetensors"))
+    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+        json.dump({"losses": trainer.loss_recorder.losses, "reductions": step_counts}, f)
+
+
+@pytest.mark.slow
+def test_gradient_accumulation_one_reduction_per_layer_and_step(tmp_path):
+    """GA 2 on 2 ranks: every layer is reduced exactly once per optimizer step (not once per micro-batch), the
+    resident parameters once; losses and weights equal one process at the global batch within the tolerances."""
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           "--worker", "--out", str(ddp), "--per-device-batch", "2", "--ga", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    r0, r1 = load_file(ddp / "rank0.safetensors"), load_file(ddp / "rank1.safetensors")
+    for k in r0:
+        assert torch.equal(r0[k], r1[k]), f"{k} differs across ranks"
+    info = json.loads((ddp / "rank0.json").read_text())
+    layers = {str(i) for i in range(4)}  # the tiny qwen3's decoder layers, all streamed
+    assert len(info["reductions"]) == 3
+    for counts in info["reductions"]:
+        assert set(counts) == layers | {"-1"}, counts
+        assert all(n == 1 for n in counts.values()), counts
+
+    single = tmp_path / "single"
+    cmd = [sys.executable, __file__, "--worker", "--out", str(single), "--per-device-batch", "4", "--ga", "2"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    ref = load_file(single / "rank0.safetensors")
+    ref_info = json.loads((single / "rank0.json").read_text())
+    assert ref_info["reductions"] == [{}, {}, {}]  # one process: nothing to reduce
+    assert info["losses"] == pytest.approx(ref_info["losses"], rel=LOSS_RTOL)
+    for k in ref:
+        torch.testing.assert_close(r0[k], ref[k], atol=ATOL, rtol=RTOL, msg=k)
+    from conftest import tiny_model
+
+    initial = tiny_model("qwen3", seed=1).state_dict()
+    assert any(not torch.allclose(ref[k], initial[k]) for k in ref)
+
+
+if __name__ == "__main__" and "--worker" in sys.argv:
+    sys.argv.remove("--worker")
+    _worker(sys.argv[1:])

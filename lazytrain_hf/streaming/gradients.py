@@ -7,10 +7,25 @@ per-layer callbacks, and the public gradient API (`grads`, `layer_grads`, `zero_
 when a layer is complete (`completion.py`).
 
 Note: [Squared norms of accumulated gradients]
-    ``sq_norms[i]`` is the squared L2 norm of layer ``i``'s *accumulated* host gradient, exactly. For the first
-    micro-batch since ``zero_grad`` the accumulator equals the device gradient, so the norm is taken on the device
-    (fp32) before the copy; for later micro-batches (where ``|a + g|^2 != |a|^2 + |g|^2``) it is taken on the host
-    right after the addition (on the worker thread on CUDA), so clipping never needs an extra pass at the end.
+    ``sq_norms[i]`` is the squared L2 norm of layer ``i``'s *accumulated* host gradient, exactly, taken once per
+    optimizer step: only on the last micro-batch of the step (`last_micro_batch`, which the trainer points at its
+    gradient state; default True, every backward is the last). For a first micro-batch since ``zero_grad`` that is
+    also the last (no gradient accumulation) the accumulator equals the device gradient, so the norm is taken on
+    the device (fp32) before the copy; on a last micro-batch that adds into the accumulator (where
+    ``|a + g|^2 != |a|^2 + |g|^2``), or when the accumulator is reduced across ranks first (`host_grad_reducer`),
+    it is taken on the host right after the addition (on the worker thread on CUDA), so clipping never needs an
+    extra pass at the end. Earlier micro-batches take no norm. A norm asked for anyway (`grad_sq_norms` after a
+    micro-batch that was not the last) is taken from the host accumulator then. Tests:
+    ``tests/test_cuda_path.py::test_one_host_norm_pass_per_layer_and_step`` and the gradient-accumulation cases
+    of ``tests/test_feature_matrix.py`` (norms and clipping against Trainer).
+
+Note: [Data parallel reduces the host accumulators once per step]
+    With `host_grad_reducer` set (data parallel), a layer's gradient is reduced once per optimizer step: after the
+    last micro-batch's gradient was added into the host fp32 accumulator, the reducer gets that flat fp32 buffer
+    (``[LayerStore.grad]``) and averages it across ranks in place (the trainer uses a gloo group, so it runs on
+    the worker thread on CUDA while the next layers' backward goes on); the norm is then taken of the reduced
+    accumulator. Earlier micro-batches accumulate locally, as ``no_sync`` does for DDP. Every rank completes its
+    layers in the same order, so the reductions pair up. Test: ``tests/test_trainer_ddp.py``.
 """
 
 from __future__ import annotations
@@ -27,6 +42,26 @@ from .binder import _LayerState
 class GradientSink:
     """`StreamHandle`'s gradient handling (see the module docstring)."""
 
+    # Note: [Squared norms of accumulated gradients]: whether the backward in progress is the last micro-batch of
+    # the optimizer step; a bool or a callable returning one (the trainer passes its gradient state).
+    last_micro_batch: bool | Callable[[], bool] = True
+    # Note: [Data parallel reduces the host accumulators once per step]: called as host_grad_reducer(layer, [flat])
+    # on the layer's flat fp32 host accumulator after the last micro-batch's addition, before its norm is taken.
+    host_grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
+    # norm passes taken so far: over device gradients, over host accumulators (Note: [Squared norms of accumulated
+    # gradients]); read after `synchronize`
+    device_norm_passes: int = 0
+    host_norm_passes: int = 0
+
+    def _is_last_micro_batch(self) -> bool:
+        last = self.last_micro_batch
+        return bool(last() if callable(last) else last)
+
+    def _host_sync(self, reason: str) -> None:
+        trace = getattr(self, "trace", None)
+        if trace is not None:
+            trace.host_sync(reason)
+
     def _complete(self, i: int) -> None:
         """Move the layer's gradients to the host, take their norm, free them, release the slot."""
         st = self._all[i]
@@ -35,6 +70,8 @@ class GradientSink:
         ls = st.store
         if ls is not None and ls.grad is not None:
             fresh = not ls.has_grad
+            last = self._is_last_micro_batch()
+            reduce = last and self.host_grad_reducer is not None
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             if self.grad_reducer is not None:
                 # every rank must reduce the same tensors in the same order: a parameter without a gradient here
@@ -50,14 +87,18 @@ class GradientSink:
                         ls.grad_views[e.name].zero_()
                     continue
                 pairs.append((g, ls.grad_views[e.name]))
-            if fresh:
-                # Note: [Squared norms of accumulated gradients]
+            # Note: [Squared norms of accumulated gradients]
+            device_norm = last and fresh and not reduce
+            if device_norm:
                 sq = torch.zeros((), dtype=torch.float32, device=self.device)
                 for g, _ in pairs:
                     sq = sq + torch.linalg.vector_norm(g, dtype=torch.float32).square()
                 self.sq_norms[i] = sq
+                self.device_norm_passes += 1
+            else:
+                self.sq_norms.pop(i, None)
             ls.has_grad = True
-            after = self._after_offload(i, host_norm=not fresh)
+            after = self._after_offload(i, host_norm=last and not device_norm, reduce=reduce)
             self.engine.offload_grads(pairs, accumulate=not fresh, after=after)
             self._drop_device_grads(st)
         elif self._callbacks:
@@ -66,14 +107,18 @@ class GradientSink:
         if i == self.head_key and self._tied:
             self._release(self.embed_key)  # the lm_head's use of the tied weight is over too
 
-    def _after_offload(self, i: int, host_norm: bool) -> Callable[[], None] | None:
-        if not host_norm and not self._callbacks:
+    def _after_offload(self, i: int, host_norm: bool, reduce: bool = False) -> Callable[[], None] | None:
+        if not host_norm and not reduce and not self._callbacks:
             return None
 
         def after() -> None:
+            flat = self.store.layers[i].grad
+            if reduce:
+                # Note: [Data parallel reduces the host accumulators once per step]
+                self.host_grad_reducer(i, [flat])
             if host_norm:
-                flat = self.store.layers[i].grad
                 self.sq_norms[i] = torch.dot(flat, flat)
+                self.host_norm_passes += 1
             self._run_callbacks(i)
 
         return after
@@ -148,15 +193,32 @@ class GradientSink:
 
     def grad_sq_norms(self) -> dict[int | str, float]:
         """Squared L2 norms of the accumulated gradients: ``{layer_index: float}`` for every layer with host
-        gradients, plus ``"resident"`` for all resident parameters (embeddings, final norm, lm_head, adapters)."""
+        gradients, plus ``"resident"`` for all resident parameters (embeddings, final norm, lm_head, adapters).
+
+        The values on the device are read back together (one host synchronisation); a layer whose norm was not
+        taken (Note: [Squared norms of accumulated gradients]) gets it from its host accumulator now."""
         self.synchronize()
-        out: dict[int | str, float] = {i: float(v) for i, v in sorted(self.sq_norms.items())}
+        for i, st in self._all.items():
+            ls = st.store
+            if ls is not None and ls.grad is not None and ls.has_grad and i not in self.sq_norms:
+                self.sq_norms[i] = torch.dot(ls.grad, ls.grad)
+                self.host_norm_passes += 1
+        keys: list[int | str] = sorted(self.sq_norms)
+        vals = [self.sq_norms[i] for i in keys]
         res = torch.zeros((), dtype=torch.float32, device=self.device)
         for _, p, _ in self._resident:
             if p.grad is not None:
                 res = res + torch.linalg.vector_norm(p.grad, dtype=torch.float32).to(res.device).square()
-        out["resident"] = float(res)
-        return out
+        keys.append("resident")
+        vals.append(res)
+        on_device = [k for k, v in enumerate(vals) if v.device.type != "cpu"]
+        host = [float(v) if v.device.type == "cpu" else 0.0 for v in vals]
+        if on_device:
+            self._host_sync("gradient norms")
+            fetched = torch.stack([vals[k] for k in on_device]).cpu()
+            for j, k in enumerate(on_device):
+                host[k] = float(fetched[j])
+        return dict(zip(keys, host))
 
     def global_grad_norm(self) -> float:
         """L2 norm of every gradient accumulated since `zero_grad` (streamed and resident)."""
