@@ -17,6 +17,7 @@ Map of the package (each module's docstring says what it owns and what it may no
 - `planner/`: `plan` (the `Plan`), `hardware`, `costmodel`, `stages` (evaluate a plan), `formulation` (the MILP),
   `solver`, `search`, `heuristics`, `milp` (entry point), `baselines`, `simulate`, `zoo`;
 - `optim/`: `HybridAdamW8bit` (`hybrid8bit`), its 8-bit state (`quant`), kernels (`kernels`, `native`), `clip`;
+- `loading` (`from_pretrained`: decoder-layer weights left on disk until the host store reads them);
 - `models` (one table of the Qwen families), `data` (MetaMathQA), `cli` (``lazytrain``), `units`.
 """
 
@@ -33,16 +34,18 @@ _LAZY = {
     "Plan": "lazytrain_hf.planner.plan",
     "LayerPlan": "lazytrain_hf.planner.plan",
     "HybridAdamW8bit": "lazytrain_hf.optim",
+    "from_pretrained": "lazytrain_hf.loading",
     # the `trl` extra (pip install 'lazytrain-hf[trl]'); importing them without trl raises an ImportError saying so
     "LazySFTConfig": "lazytrain_hf.trl",
     "LazySFTTrainer": "lazytrain_hf.trl",
 }
 
 # LazySFTConfig / LazySFTTrainer are left out: `from lazytrain_hf import *` must work without trl installed
-__all__ = ["HybridAdamW8bit", "LayerPlan", "LazyTrainer", "LazyTrainingArguments", "Plan"]
+__all__ = ["HybridAdamW8bit", "LayerPlan", "LazyTrainer", "LazyTrainingArguments", "Plan", "from_pretrained"]
 
 if TYPE_CHECKING:  # pragma: no cover
     from .args import LazyTrainingArguments
+    from .loading import from_pretrained
     from .optim import HybridAdamW8bit
     from .planner.plan import LayerPlan, Plan
     from .trainer import LazyTrainer
