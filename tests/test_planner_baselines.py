@@ -135,16 +135,18 @@ def test_step_time_structure():
     assert ev.step_time_s - 2 * L * wt - 1e-9 <= ov.step_time_s < ev.step_time_s
 
 
-def test_published_7b_tflops_on_h100():
-    """MegaTrain publishes 272 TFLOPS (its 6N convention) for Qwen2.5-7B, batch 158, seq 1024 on one H100; the model
-    on the bundled ``h100`` profile must land within 15% (profile datasheet figures, no fitting)."""
+def test_published_7b_tflops_on_h100_fit_holds():
+    """MegaTrain publishes 272 TFLOPS (its 6N convention) for Qwen2.5-7B, batch 158, seq 1024 on one H100. Not an
+    independent check: the bundled Hopper GEMM efficiency is fitted to this run through this model
+    (`calibration.fit_bundled_hopper`), so this only asserts that the fit still holds (within 2%) with the model as
+    it is; a change to `evaluate_megatrain` that moves it means the profile must be refitted."""
     try:
         cm = qwen7b(158, "h100")
     except ValueError:
         pytest.skip("no bundled h100 hardware profile")
     ev = baselines.evaluate_megatrain(cm)
     print(f"h100, batch 158: {ev.tflops_6n:.1f} TFLOPS (6N), step {ev.step_time_s:.2f} s")
-    assert abs(ev.tflops_6n - 272) <= 0.15 * 272
+    assert abs(ev.tflops_6n - 272) <= 0.02 * 272
 
 
 def test_megatrain_predictions_keys():
