@@ -4,7 +4,8 @@
   accumulated gradients] in lazytrain_hf/streaming/gradients.py), with the logged norms equal to Trainer's.
 - Prefetches never wait for the overlapped optimizer (Note: [A prefetch never waits for the optimizer] in
   lazytrain_hf/streaming/scheduler.py): deferred while their layer updates, values bit-exact.
-- Resident gradients cross asynchronously (Note: [Resident gradients cross asynchronously] in
+- Resident gradients cross asynchronously and resident parameters are uploaded from staging on the H2D lane (Notes:
+  [Resident gradients cross asynchronously], [Resident parameters are uploaded from pinned staging] in
   lazytrain_hf/training/updater.py): bit-exact with the synchronous engine, and the training thread does not block on
   them when the optimizer overlaps.
 
@@ -122,8 +123,10 @@ def test_prefetch_deferred_while_layer_updates(async_engine, monkeypatch):
 @pytest.mark.parametrize("overlap", [True, False])
 def test_resident_grads_async_bit_exact(async_engine, monkeypatch, overlap):
     """bf16 model, embeddings / final norm / lm_head resident: their gradients cross on the simulated D2H lane (late,
-    staging poisoned until they land) and are waited for by the update; bit-exact with the synchronous engine.
-    With overlap the training thread never blocks on them (no such host synchronisation in the trace)."""
+    staging poisoned until they land) and are waited for by the update; their updated values cross on the H2D lane
+    (the parameter poisoned until the copy lands) and the next forward waits for them; bit-exact with the
+    synchronous engine. With overlap the training thread never blocks on them (no such host synchronisation in
+    the trace); without, once per step."""
     monkeypatch.setenv(MAX_DELAY_ENV, "0.02")
     kinds = models.layer_kinds(tiny_model("qwen3").config)
     ref = reference("qwen3", False, 1024, 2, torch.bfloat16)

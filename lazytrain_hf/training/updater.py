@@ -55,6 +55,16 @@ class LayerwiseUpdater:
         ``tests/test_cuda_path.py::test_resident_grads_async_bit_exact`` (bf16, simulated engine, bit-exact with
         the synchronous engine).
 
+    Note: [Resident parameters are uploaded from pinned staging]
+        After its update a resident parameter's fp32 master is converted to the parameter's dtype on the host, into
+        a staging buffer of its own (pinned on CUDA, reused every step once its previous upload completed), and
+        copied on the H2D lane after the compute queued so far (which includes the backward that read the
+        parameter; the next forward is not queued yet, it waits in `wait_resident`). `wait_resident` (every
+        forward's first wait) and `wait_all` make the compute side wait for those copies' events, so no reader
+        sees the old values and the host never blocks on the copy. A bf16 parameter moves 2 bytes per element and
+        no fp32 temporary exists on the device. Test: ``tests/test_cuda_path.py::test_resident_grads_async_bit_exact``
+        (simulated lanes poison the parameter until the copy lands).
+
     Note: [The compute copy is written in the fused pass]
         For a layer whose trainable compute copy is bf16 (and not the master itself), the fused optimizer pass
         writes the bf16 weights straight into the host compute copy (``out_bf16``), so no second pass over the layer
@@ -80,6 +90,7 @@ class LayerwiseUpdater:
                 master = p.detach() if direct else p.detach().to("cpu", torch.float32).clone()
             self.resident.append((name, p, master))
         self._aliased = {id(m) for _, p, m in self.resident if m.data_ptr() == p.data_ptr()}
+        self._resident_names = [name for name, _, _ in self.resident]
         # Note: [The compute copy is written in the fused pass]: per layer, its bf16 compute views (or None)
         self._outs: dict[int, list[torch.Tensor] | None] = {}
         for i, entries in self.layers.items():
@@ -98,6 +109,10 @@ class LayerwiseUpdater:
         self._delay = SimDelay("optimizer") if overlap and simulate_async() else None
         # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad)
         self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Note: [Resident parameters are uploaded from pinned staging]: per resident parameter, its staging buffer
+        # in the parameter's dtype and the event of the last upload from it
+        self._up_bufs: dict[str, list] = {}
+        self._uploads: list = []  # events of the last run's resident uploads (the compute side waits for them)
         handle.fetch_guard = self.wait_layer
         handle.fetch_ready = self.layer_updated  # Note: [A prefetch never waits for the optimizer] (scheduler.py)
         handle.resident_guard = self.wait_resident
@@ -152,6 +167,7 @@ class LayerwiseUpdater:
             self._work(*work)
             self._raise()
             self.handle.wait_uploads()  # the model reads as updated once the step returns
+            self._wait_resident_uploads()
 
     def _resident_grad_d2h(self, name: str, g: torch.Tensor, master: torch.Tensor):
         """Issue the copy of a resident parameter's device gradient to the host; returns what `_take_resident_grad`
@@ -183,6 +199,28 @@ class LayerwiseUpdater:
             host32.copy_(staging)  # upcast on the host: the gradient crossed in its own dtype
         master.grad = host32
 
+    def _upload_resident(self, name: str, p: torch.Tensor, master: torch.Tensor):
+        """Copy an updated resident master into its parameter. Note: [Resident parameters are uploaded from pinned
+        staging]. Returns the copy's event (None when it is done)."""
+        lanes = self.handle.engine.lanes
+        if lanes is None:  # synchronous CPU engine
+            p.data.copy_(master)
+            return None
+        entry = self._up_bufs.get(name)
+        if entry is None or entry[0].shape != p.shape or entry[0].dtype != p.dtype:
+            entry = self._up_bufs[name] = [torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda), None]
+        buf, last = entry
+        if last is not None:
+            if threading.current_thread() is threading.main_thread():
+                self.handle.trace.host_sync("resident upload staging")  # only without overlap
+            last.synchronize()  # the previous step's upload has read the staging buffer (long done)
+        buf.copy_(master)  # the conversion to the compute dtype runs on the host
+        # after the compute queued so far (the step's backward, which read the parameter): the next forward only
+        # starts once `wait_resident` returned, so nothing of it is queued yet
+        ev = lanes["h2d"].copy(p.data, buf, after_compute=True)
+        entry[1] = ev
+        return ev
+
     def _update(
         self, frozen: list[dict], params: list[torch.Tensor], clip: float | None, outs: list | None = None
     ) -> bool:
@@ -209,13 +247,16 @@ class LayerwiseUpdater:
                 for _, master, pending in resident:
                     self._take_resident_grad(master, pending)  # Note: [Resident gradients cross asynchronously]
                 self._update(frozen, [m for _, m, _ in resident], clip)
-                for p, master, _ in resident:
+                uploads = []
+                for name, (p, master, _) in zip(self._resident_names, resident):
                     if id(master) not in self._aliased:
                         if master.grad is not None:
                             trace.transfer("h2d", p.numel() * p.element_size(), p.dtype, None, "upload")
-                        # converted on the host: the parameter's own bytes cross, no fp32 temporary on the device
-                        p.data.copy_(master if p.dtype == master.dtype else master.to(p.dtype))
+                        ev = self._upload_resident(name, p, master)
+                        if ev is not None:
+                            uploads.append(ev)
                     master.grad = None
+                self._uploads = uploads
                 trace.update("resident", t0, clock())
                 self._resident_done.set()
                 for i, params in layers:
@@ -257,6 +298,16 @@ class LayerwiseUpdater:
     def wait_resident(self) -> None:
         self._resident_done.wait()
         self._raise()
+        self._wait_resident_uploads()
+
+    def _wait_resident_uploads(self) -> None:
+        """The compute side waits for the resident parameters' uploads (Note: [Resident parameters are uploaded from
+        pinned staging]); the host does not."""
+        lanes = self.handle.engine.lanes
+        uploads, self._uploads = self._uploads, []
+        if lanes is not None:
+            for ev in uploads:
+                lanes.compute_wait(ev)
 
     def wait_all(self) -> None:
         if self._thread is not None:
@@ -265,6 +316,7 @@ class LayerwiseUpdater:
             self._raise()
             self.handle.wait_uploads()
         self._raise()
+        self._wait_resident_uploads()
 
     def close(self) -> None:
         try:
