@@ -37,6 +37,8 @@ class LazyTrainingArguments(TrainingArguments):
     stream_prefetch_depth (`int`, defaults to `1`): layers fetched ahead when no plan decides it.
     stream_embeddings (`bool`, defaults to `False`): stream embeddings / final norm / lm_head too (else resident).
     stream_loss_chunk_tokens (`int`, defaults to `1024`): tokens per chunk of the chunked loss.
+    stream_trace_steps (`int`, defaults to `3`): optimizer steps of the executor's trace written to
+        ``output_dir/lazytrain_trace.json`` (bytes per lane, transfers, compute spans, updates, host syncs).
 
     > Planner (`lazytrain_hf.planner`)
 
@@ -96,6 +98,13 @@ class LazyTrainingArguments(TrainingArguments):
         default=False, metadata={"help": "Stream embeddings, final norm and lm_head instead of keeping them resident."}
     )
     stream_loss_chunk_tokens: int = field(default=1024, metadata={"help": "Tokens per chunk of the chunked loss."})
+    stream_trace_steps: int = field(
+        default=3,
+        metadata={
+            "help": "Optimizer steps of the executor's trace (every transfer, compute span, update and host sync) "
+            "written to output_dir/lazytrain_trace.json; 0 writes none."
+        },
+    )
 
     # ----------------------------------------------------------------- planner
     planner_policy: str = field(
@@ -168,6 +177,10 @@ class LazyTrainingArguments(TrainingArguments):
             raise ValueError(f"stream_prefetch_depth={self.stream_prefetch_depth} must be >= 0 (1 is a good default).")
         if self.stream_loss_chunk_tokens < 1:
             raise ValueError(f"stream_loss_chunk_tokens={self.stream_loss_chunk_tokens} must be >= 1 (e.g. 1024).")
+        if self.stream_trace_steps < 0:
+            raise ValueError(
+                f"stream_trace_steps={self.stream_trace_steps} must be >= 0 (0: no lazytrain_trace.json)."
+            )
         if self.planner_policy not in PLANNER_POLICIES:
             raise ValueError(
                 f"planner_policy={self.planner_policy!r} is not supported; use one of {', '.join(PLANNER_POLICIES)}."

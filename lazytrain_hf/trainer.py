@@ -42,6 +42,23 @@ from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_se
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
 
+# Note: [The trace is the planner's referee]
+#     The executor records every transfer, compute span, optimizer update and host synchronisation of a step
+#     (`lazytrain_hf.streaming.trace`); the first ``stream_trace_steps`` optimizer steps are written to
+#     ``output_dir/lazytrain_trace.json`` (``{"steps": [{"bytes": {"h2d", "d2h", "nvme_read", "nvme_write"}, ...}]}``),
+#     beside the plan whose ``predicted["bytes_per_step"]`` they must equal. Evaluation and prediction between steps
+#     are not recorded.
+TRACE_FILE = "lazytrain_trace.json"
+
+
+@contextlib.contextmanager
+def _untraced(handle):
+    if handle is None:
+        yield
+        return
+    with handle.trace.paused():
+        yield
+
 logger = logging.get_logger(__name__)
 
 
@@ -118,6 +135,10 @@ class LazyTrainer(Trainer):
             self.check_plan_fits(plan, where=self.args.planner_plan)
         if plan is None:
             plan = self._plan_on_rank_zero()
+        # Note: [The trace is the planner's referee]: what the trace must show, in the plan written to output_dir
+        planning.predict_bytes(plan, self.model, self.args, self._compute_dtype(), batch=self._sample_batch())
+        if self.args.should_save:
+            checkpoints.write_plan(plan, self.args.output_dir)
         self.check_host_memory(plan)  # before the host store allocates anything
         self.stream_handle = attach(
             self.model,
@@ -159,6 +180,8 @@ class LazyTrainer(Trainer):
                 self._updater.close()
                 self._updater = None
                 self._previous_optimizer = self.optimizer  # Note: [The optimizer outlives train()]
+            if self.stream_handle.trace.step_index <= self.args.stream_trace_steps:
+                self._write_trace()  # a run of at most stream_trace_steps steps (its updates are complete now)
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
         if self._best_pending:
@@ -365,11 +388,11 @@ class LazyTrainer(Trainer):
             handle.remove()
 
     def evaluate(self, *args: Any, **kwargs: Any):
-        with self.streaming():
+        with self.streaming() as handle, _untraced(handle):
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any):
-        with self.streaming():
+        with self.streaming() as handle, _untraced(handle):
             return super().predict(*args, **kwargs)
 
     # ------------------------------------------------------------------ loss
@@ -475,8 +498,26 @@ class LazyTrainer(Trainer):
                 self._resident_reduced = False
                 if self.stream_handle is not None:
                     self.stream_handle.zero_grad()
+                    self._end_trace_step()
 
         opt.step = step
+
+    def _end_trace_step(self) -> None:
+        """The optimizer step was issued: close it in the executor's trace, and write `TRACE_FILE` once the first
+        ``stream_trace_steps`` steps are complete (Note: [The trace is the planner's referee])."""
+        trace = self.stream_handle.trace
+        trace.end_step()
+        # one step later: an overlapped update (and its uploads) of step N is complete once step N + 1 was issued
+        if trace.step_index == self.args.stream_trace_steps + 1:
+            self._write_trace()
+
+    def _write_trace(self) -> None:
+        n = self.args.stream_trace_steps
+        trace = self.stream_handle.trace if self.stream_handle is not None else None
+        if trace is None or n <= 0 or not trace.steps or not self.is_world_process_zero():
+            return
+        os.makedirs(self.args.output_dir, exist_ok=True)
+        trace.to_json(os.path.join(self.args.output_dir, TRACE_FILE), max_steps=n)
 
     def _uses_default_optimizer(self) -> bool:
         return not self.args.optim_hybrid_8bit

@@ -190,6 +190,36 @@ class Plan:
                 add(b_stage, lp.reload_ahead, "reload", lp.index)
         return {s: [(w, i) for _, w, i in sorted(v)] for s, v in sorted(out.items())}
 
+    def bwd_issue_stage(self, i: int) -> int:
+        """The stage the backward fetch of layer ``i`` is issued in."""
+        return max(0, 2 * self.num_layers - i - self.layers[i].fetch_bwd_ahead)
+
+    def keeps_bound_after_forward(self, i: int) -> bool:
+        """Layer ``i`` stays bound from its forward to its backward: its backward fetch would be issued at the very
+        next stage (the last layers with a backward prefetch), and fetching it again right away would only cost a
+        transfer. The executor and `lazytrain_hf.planner.schedule` both follow this rule."""
+        return not self.layers[i].resident and self.bwd_issue_stage(i) <= i + 1
+
+    def block_top(self, i: int) -> int:
+        """The top layer of the checkpointed block holding layer ``i`` (``i`` itself when ``checkpoint_every`` is 1)."""
+        K = self.checkpoint_every
+        return min((i // K) * K + K, self.num_layers) - 1
+
+    def block_fetches(self, i: int) -> tuple[bool, bool]:
+        """``(recompute fetch, backward fetch)`` of a streamed layer ``i`` in backward.
+
+        With block checkpointing the block's top layer recomputes the block at its backward stage: a lower layer
+        whose backward fetch was issued by then keeps that slot through its recomputation and backward; any other
+        is fetched for the recomputation, released, and fetched again for its backward (Note: [Block recomputation
+        binds its layers one by one] in streaming/binder.py). A layer kept bound after its forward is fetched for
+        neither."""
+        if self.keeps_bound_after_forward(i):
+            return False, False
+        top = self.block_top(i)
+        if self.checkpoint_every == 1 or i == top:
+            return False, True
+        return self.bwd_issue_stage(i) > 2 * self.num_layers - top, True
+
     # ------------------------------------------------------------------ serialisation
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

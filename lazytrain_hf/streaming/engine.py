@@ -48,11 +48,25 @@ Note: [Gradient memory outlives its D2H copy]
     gradient. Test: the plan-space property test (gradients compared bit for bit).
 
 Note: [Host accumulators are read only after their copy landed]
-    The first micro-batch after ``zero_grad`` copies straight into the pinned fp32 accumulator; later ones copy
-    into a pinned staging buffer that the worker adds into the accumulator once the copy's event completed.
+    A gradient in the accumulator's dtype (fp32) crosses straight into the pinned fp32 accumulator on the first
+    micro-batch after ``zero_grad``; every other gradient (later micro-batches, and every bf16 gradient: Note:
+    [Gradients cross in their own dtype]) crosses into a pinned staging buffer that the worker adds (or copies,
+    upcasting) into the accumulator once the copy's event completed.
     Everything that reads the accumulators (`StreamHandle.grads`, the optimizer's `LayerwiseUpdater.run`,
     ``zero_grad``) calls `synchronize` first, which waits for every pending event and drains the worker. Test:
     ``test_plan_space.py::test_updater_synchronizes_what_it_reads``.
+
+Note: [Gradients cross in their own dtype]
+    ``host_fp32.copy_(dev_bf16, non_blocking=True)`` converts on the device first: 4 bytes per parameter cross
+    PCIe plus an fp32 temporary per parameter on the device. A gradient whose dtype is not the accumulator's is
+    therefore copied into a staging buffer of its own dtype and upcast on the host by the worker, so a bf16
+    gradient moves 2 bytes per parameter (what the planner counts, `lazytrain_hf.planner.schedule`). Staging
+    buffers come from `_StagingPool`: at most ``STAGING_BUFFERS`` per dtype and size class, reused once the worker
+    consumed them, so pinned staging stays bounded. Test: ``tests/test_trace.py`` (bytes and dtype of every
+    gradient transfer of a bf16 model).
+
+Every copy is recorded in the handle's trace (`lazytrain_hf.streaming.trace`), and so is every point where the
+training thread blocks on device work (``Trace.host_sync``).
 """
 
 from __future__ import annotations
@@ -66,7 +80,11 @@ from typing import Any
 
 import torch
 
-from ..streams import lanes_for
+from ..streams import lanes_for, poison_
+from .trace import Trace
+
+# Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
+STAGING_BUFFERS = 2
 
 
 @dataclass
@@ -118,6 +136,8 @@ class TransferEngine:
         self._worker: _HostWorker | None = _HostWorker() if self.is_async else None
         self.fetch_count = 0
         self.fetch_bytes = 0
+        self.trace = Trace()
+        self._staging = _StagingPool(pin=self.is_cuda)
 
     def __repr__(self) -> str:
         pools = ", ".join(f"{k}: {len(v)} x {self._slot_bytes[k]}B" for k, v in self.pools.items())
@@ -207,8 +227,9 @@ class TransferEngine:
         return sum(s.nbytes for s in self.by_ptr.values())
 
     # ------------------------------------------------------------------ H2D
-    def copy_in(self, slot: Slot, src_bytes: torch.Tensor, layer: int) -> None:
-        """Copy a layer's compute copy (uint8 host buffer) into ``slot``."""
+    def copy_in(self, slot: Slot, src_bytes: torch.Tensor, layer: int, what: str = "fetch") -> None:
+        """Copy a layer's compute copy (uint8 host buffer) into ``slot`` (``what``: ``fetch``, or ``upload`` of a
+        resident layer after its update)."""
         n = src_bytes.numel()
         if n > slot.nbytes:
             raise RuntimeError(f"layer {layer} needs {n} bytes but its {slot.kind!r} slot has {slot.nbytes}.")
@@ -221,6 +242,7 @@ class TransferEngine:
         slot.owner = layer
         self.fetch_count += 1
         self.fetch_bytes += n
+        self.trace.transfer("h2d", n, "uint8", layer, what)
         dst = slot.buffer.narrow(0, 0, n)
         if not self.is_async:
             dst.copy_(src_bytes)
@@ -244,12 +266,14 @@ class TransferEngine:
         """
         ev = self._host_read.pop(layer, None)
         if ev is not None:
+            if threading.current_thread() is threading.main_thread():
+                self.trace.host_sync("wait_host_reads")
             ev.synchronize()
 
-    def upload(self, slot: Slot, src_bytes: torch.Tensor) -> None:
+    def upload(self, slot: Slot, src_bytes: torch.Tensor, layer: int | None = None) -> None:
         """Refresh a dedicated (resident) slot from the host after an optimizer step, ordered like a fetch: after
         `mark_released`; the layer's next forward waits for it (`wait_ready`)."""
-        self.copy_in(slot, src_bytes, slot.owner if slot.owner is not None else -1)
+        self.copy_in(slot, src_bytes, slot.owner if layer is None else layer, what="upload")
 
     # ------------------------------------------------------------------ D2H
     def offload_grads(
@@ -257,12 +281,17 @@ class TransferEngine:
         pairs: list[tuple[torch.Tensor, torch.Tensor]],
         accumulate: bool,
         after: Callable[[], None] | None = None,
+        layer: int | None = None,
     ) -> None:
         """Move device gradients into host fp32 accumulators: ``host.copy_(dev)`` (first micro-batch since
         ``zero_grad``) or ``host += dev``; then run ``after`` (on the worker thread on CUDA, once the data landed).
 
-        The caller may drop the device gradients right after this returns.
+        The caller may drop the device gradients right after this returns. Each gradient crosses in its own dtype
+        (Note: [Gradients cross in their own dtype]).
         """
+        if pairs:
+            nbytes = sum(dev.numel() * dev.element_size() for dev, _ in pairs)
+            self.trace.transfer("d2h", nbytes, pairs[0][0].dtype, layer, "grad")
         if not self.is_async:
             with torch.no_grad():
                 for dev, host in pairs:
@@ -274,14 +303,15 @@ class TransferEngine:
                 after()
             return
         lane = self.lanes["d2h"]
-        staged: list[tuple[torch.Tensor, torch.Tensor]] = []
+        staged: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (pool buffer, its view, accumulator)
         copies: list[tuple[torch.Tensor, torch.Tensor]] = []
         for dev, host in pairs:
-            if accumulate:
+            if accumulate or dev.dtype != host.dtype:
                 # Note: [Host accumulators are read only after their copy landed]
-                buf = torch.empty(dev.shape, dtype=dev.dtype, pin_memory=self.is_cuda)
+                full = self._staging.get(dev.dtype, dev.numel())
+                buf = full.narrow(0, 0, dev.numel()).view(dev.shape)
                 copies.append((buf, dev))
-                staged.append((buf, host))
+                staged.append((full, buf, host))
             else:
                 copies.append((host, dev))
             lane.hold(dev)  # Note: [Gradient memory outlives its D2H copy]
@@ -291,13 +321,21 @@ class TransferEngine:
             if ev is not None:
                 self._pending.append(ev)
             return
+        pool = self._staging
+        poison = self.is_async and not self.is_cuda  # Note: [Simulated copies poison their destination]
 
         def work() -> None:
             if ev is not None:
                 ev.synchronize()
             with torch.no_grad():
-                for buf, host in staged:
-                    host.add_(buf)
+                for full, buf, host in staged:
+                    if accumulate:
+                        host.add_(buf)
+                    else:
+                        host.copy_(buf)  # upcast on the host
+                    if poison:
+                        poison_(full)
+                    pool.put(full)
             if after is not None:
                 after()
 
@@ -307,6 +345,8 @@ class TransferEngine:
         """Wait for every pending copy and host-side accumulation (no-op for synchronous CPU copies)."""
         if not self.is_async:
             return
+        if self._pending or self._worker.busy:
+            self.trace.host_sync("engine.synchronize")
         for ev in self._pending:
             ev.synchronize()
         self._pending.clear()
@@ -328,6 +368,40 @@ class TransferEngine:
 
 def _align256(n: int) -> int:
     return (n + 255) // 256 * 256
+
+
+class _StagingPool:
+    """Pinned (on CUDA) staging buffers for gradients crossing to the host, by dtype and element count.
+
+    See Note: [Gradients cross in their own dtype]. `get` returns a free buffer of at least ``numel`` elements
+    (sizes are rounded up to a power of two so that layers of one model share buffers) or allocates one; `put`
+    hands it back once the worker consumed it. At most `STAGING_BUFFERS` free buffers per class are kept.
+    """
+
+    def __init__(self, pin: bool):
+        self.pin = pin
+        self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._lock = threading.Lock()
+        self.allocated_bytes = 0
+
+    def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
+        """A 1-D buffer of at least ``numel`` elements (its first ``numel`` are what the caller uses)."""
+        cap = 1 << max(0, int(numel - 1).bit_length())
+        with self._lock:
+            free = self._free.get((dtype, cap))
+            if free:
+                return free.pop()
+            self.allocated_bytes += cap * dtype.itemsize
+        return torch.empty(cap, dtype=dtype, pin_memory=self.pin)
+
+    def put(self, buf: torch.Tensor) -> None:
+        """Hand back a buffer from `get` (its last reader is done)."""
+        with self._lock:
+            free = self._free.setdefault((buf.dtype, buf.numel()), [])
+            if len(free) < STAGING_BUFFERS:
+                free.append(buf)
+            else:
+                self.allocated_bytes -= buf.numel() * buf.element_size()
 
 
 class _HostWorker:
@@ -357,6 +431,10 @@ class _HostWorker:
 
     def submit(self, fn: Callable[[], None]) -> None:
         self._q.put(fn)
+
+    @property
+    def busy(self) -> bool:
+        return self._q.unfinished_tasks > 0
 
     def drain(self) -> None:
         self._q.join()

@@ -110,6 +110,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         pin = self.is_cuda if pin_memory is None else bool(pin_memory)
         self.store = HostStore(pin_memory=pin)
         self.engine = TransferEngine(device)
+        # every transfer, compute span, update and host synchronisation of a step (lazytrain_hf.streaming.trace)
+        self.trace = self.engine.trace
         self.sq_norms: dict[int, torch.Tensor] = {}
         # an OrderedDict (not a dict) so RemovableHandle can hold a weak reference to it
         self._callbacks: OrderedDict[int, Callable[[int, dict[str, torch.Tensor]], None]] = OrderedDict()
@@ -144,13 +146,15 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         if activation_engine is None:
             activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
         self.activations = activation_engine
+        if hasattr(activation_engine, "set_trace"):
+            activation_engine.set_trace(self.trace)
 
         layers = models.decoder_layers(self.root)
         self.num_layers = len(layers)
         self._schedule = plan.issue_schedule()
         L = self.num_layers
         # stage at which the backward fetch of layer i is issued (or None for resident layers)
-        self._bwd_issue = {lp.index: max(0, (2 * L - lp.index) - lp.fetch_bwd_ahead) for lp in plan.layers}
+        self._bwd_issue = {lp.index: plan.bwd_issue_stage(lp.index) for lp in plan.layers}
 
         self._install_store(model, layers)
 
@@ -169,6 +173,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 models.embed_tokens(self.root).register_forward_pre_hook(lambda *_: self._wait_resident_params())
             )
         self._account()
+        self.trace.reset()  # the resident slots' first fill belongs to attach, not to a step
 
     def __repr__(self) -> str:
         n_str = sum(1 for st in self._layers if st.store is not None and not st.resident)
@@ -179,6 +184,16 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             f"stream_embeddings={bool(self._units)}, activations={type(self.activations).__name__}, "
             f"removed={self._removed})"
         )
+
+    @property
+    def _stage(self) -> int:
+        """The stage of the step in progress (``F_i = i``, ``H = L``, ``B_i = 2L - i``); the trace records it."""
+        return self.__dict__.get("_stage_value", -1)
+
+    @_stage.setter
+    def _stage(self, value: int) -> None:
+        self.__dict__["_stage_value"] = value
+        self.engine.trace.stage = value
 
     def _make_pre_hook(self, i: int) -> Callable:
         def pre_hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
@@ -244,7 +259,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self._account()
         # Keep the layer bound when its backward fetch would be issued at the very next stage (the last layers
         # with prefetch depth 1): fetching it again right away would only cost a transfer.
-        keep = needs_bwd and (st.want_bwd or self._bwd_issue[i] <= i + 1)
+        keep = needs_bwd and (st.want_bwd or self.plan.keeps_bound_after_forward(i))
         if keep:
             st.want_bwd = True
         else:

@@ -146,16 +146,75 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     return plan, cm
 
 
-def predict_bytes(plan, model: torch.nn.Module, args: Any, compute_dtype: torch.dtype | None = None) -> dict[str, int]:
+def predict_bytes(
+    plan,
+    model: torch.nn.Module,
+    args: Any,
+    compute_dtype: torch.dtype | None = None,
+    batch: dict[str, torch.Tensor] | None = None,
+) -> dict[str, int]:
     """Set ``plan.predicted["bytes_per_step"]``: bytes per lane of one optimizer step
     (``args.gradient_accumulation_steps`` micro-batches of ``plan.micro_batch_size`` x ``plan.seq_len`` tokens),
-    exact for ``model`` (`lazytrain_hf.planner.schedule`); the executor's trace must show the same."""
+    exact for ``model`` (`lazytrain_hf.planner.schedule`); the executor's trace must show the same.
+
+    Note: [Offloaded bytes are measured]
+        What an ``offload_*`` layer moves is not what the cost model's saved-bytes formula counts: that formula is
+        the device memory a kept layer holds (whole storages alive at the end of its forward), while the activation
+        engine copies each saved tensor's dense region once (Note: [Offloaded storages are copied once]), including
+        tensors a dropped graph branch frees later (the delta rule's final state). When the plan offloads a layer's
+        saved tensors and ``batch`` is given, the bytes are therefore measured: one forward and backward of
+        ``batch`` streamed with every layer on ``offload_cpu``, counted by the trace (`measure_offload_bytes`). A
+        tensor freed before backward is offloaded but never reloaded, so the two directions differ.
+    """
     from ..planner import schedule
 
-    sizes = schedule.sizes_from_model(model, plan, compute_dtype=compute_dtype, device=args.device)
+    offload = None
+    if batch is not None and any(lp.policy.startswith("offload") for lp in plan.layers):
+        offload = measure_offload_bytes(model, batch, args.device, compute_dtype)
+    sizes = schedule.sizes_from_model(
+        model, plan, compute_dtype=compute_dtype, device=args.device, offload_bytes=offload
+    )
     out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)))
     plan.predicted["bytes_per_step"] = out
     return out
+
+
+def measure_offload_bytes(
+    model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, compute_dtype=None
+) -> list[tuple[int, int]]:
+    """Per decoder layer, ``(bytes copied off the device, bytes reloaded)`` for ``batch`` when the layer's saved
+    tensors are offloaded (Note: [Offloaded bytes are measured]): one forward and backward, gradients dropped,
+    every RNG state and the train/eval mode restored, the model left as it was."""
+    from ..planner.plan import LayerPlan, Plan
+    from ..streaming import attach
+
+    base = unwrap_base(model)
+    kinds = models.layer_kinds(base.config)
+    B, T = (int(x) for x in batch["input_ids"].shape[:2])
+    plan = Plan(
+        layers=[LayerPlan(index=i, kind=k, policy="offload_cpu") for i, k in enumerate(kinds)],
+        micro_batch_size=B,
+        seq_len=T,
+        source="measure",
+    )
+    rng = _rng_state()
+    was_training = model.training
+    handle = attach(model, plan=plan, device=device, compute_dtype=compute_dtype)
+    try:
+        model.train()
+        with torch.enable_grad():
+            handle.causal_lm_loss(model, dict(batch)).backward()
+        handle.synchronize()
+        moved = {"offload": [0] * len(kinds), "reload": [0] * len(kinds)}
+        for t in handle.trace.current["transfers"]:
+            if t["what"] in moved:
+                moved[t["what"]][t["layer"]] += t["bytes"]
+        return list(zip(moved["offload"], moved["reload"]))
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+        model.train(was_training)
+        _set_rng_state(rng)
 
 
 def save_plan(plan, cost_model, output_dir: str) -> None:

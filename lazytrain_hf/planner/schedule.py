@@ -1,0 +1,275 @@
+"""The transfers of one training step under a plan, as the executor issues them: one schedule, three consumers.
+
+`step_transfers` lists every copy the streaming executor makes in a step of ``plan`` (lane, what, layer, bytes, the
+stage it is issued in), written from the executor's rules, which read the same `Plan` methods:
+
+- weight fetches: ``plan.issue_schedule()`` (``fetch_fwd`` / ``fetch_bwd`` at ``max(0, need - ahead)``); a layer
+  whose backward fetch would be issued at the stage right after its forward stays bound instead
+  (`Plan.keeps_bound_after_forward`); resident layers are never fetched, their slot is uploaded once per optimizer
+  step after their update;
+- block checkpointing (``checkpoint_every = K > 1``): the block's top layer recomputes the block in its backward
+  stage, fetching each layer that does not hold a slot; a layer whose backward fetch was issued by then stays bound
+  for its backward, the others are fetched again (`Plan.block_fetches`);
+- saved activations: ``offload_cpu`` / ``offload_nvme`` move what the layer saves (``saved``), a recomputed layer
+  with its input on the cpu / nvme tier moves its input (``input``): D2H after the layer's forward (plus an NVMe
+  write), H2D at the reload's issue stage (after an NVMe read);
+- gradients: each streamed unit's gradients cross D2H in their own dtype once per micro-batch, when its backward is
+  complete; gradients of parameters that are not streamed (embeddings, final norm and lm_head unless streamed,
+  adapters) cross once per optimizer step, and the updated parameters go back up;
+- streamed embeddings (``stream_embeddings``): the embedding unit is fetched for the forward (and again for the
+  head when the lm_head is tied to it), the head unit (final norm + lm_head) once.
+
+Consumers: the plan's ``predicted["bytes_per_step"]`` (`bytes_per_step`), which the executor's trace
+(`lazytrain_hf.streaming.trace`) must equal exactly; the simulator (`simulate.py`), which replays these transfers
+on lanes; and the tests, which compare the trace's issue stages with ``stage`` here. Pure arithmetic on byte counts
+(`StepBytes`): `sizes_from_cost_model` gives them from the analytic cost model, `sizes_from_model` from a real
+model's parameters and the host store's layout (exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from .plan import Plan
+
+LANES: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
+
+
+@dataclass(frozen=True)
+class UnitBytes:
+    """Byte counts of one streamed unit (a decoder layer, or the embedding / head unit).
+
+    Attributes:
+        weight: bytes one fetch moves (the unit's compute copy in the host store, alignment included); 0 when the
+            unit is not streamed.
+        grad: gradient bytes crossing D2H each micro-batch (trainable streamed parameters, in their dtype).
+        saved: bytes the layer saves for backward when nothing is recomputed (what ``offload_*`` moves off the
+            device).
+        reloaded: what ``offload_*`` brings back (``saved`` less the tensors freed before backward); None: same.
+        input: bytes of the layer's input hidden states (what a recomputed layer leaves on its input tier).
+    """
+
+    weight: int = 0
+    grad: int = 0
+    saved: int = 0
+    input: int = 0
+    reloaded: int | None = None
+
+
+@dataclass(frozen=True)
+class StepBytes:
+    """Byte counts of a model under a plan at the plan's micro-batch (see `UnitBytes`).
+
+    Attributes:
+        layers: one `UnitBytes` per decoder layer.
+        embed, head: the streamed embedding and head units (zero when ``plan.stream_embeddings`` is off).
+        tied: the lm_head weight is the embedding's (the head stage fetches the embedding unit again).
+        resident_grad: gradient bytes of the trainable parameters that are not streamed, crossing once per step.
+        resident_upload: bytes of those parameters uploaded after their update, once per step.
+        upload: per decoder layer, bytes uploaded into a resident layer's slot after its update (0 when frozen).
+    """
+
+    layers: list[UnitBytes]
+    embed: UnitBytes = field(default_factory=UnitBytes)
+    head: UnitBytes = field(default_factory=UnitBytes)
+    tied: bool = False
+    resident_grad: int = 0
+    resident_upload: int = 0
+    upload: list[int] | None = None
+
+
+@dataclass(frozen=True)
+class Transfer:
+    """One copy of a step.
+
+    Attributes:
+        lane: one of `LANES`.
+        what: ``fetch_fwd``, ``fetch_bwd``, ``fetch_rec`` (block recomputation), ``offload``, ``reload``,
+            ``spill`` (NVMe write), ``unspill`` (NVMe read), ``grad``, ``upload``.
+        layer: decoder layer index, ``-1`` for the embedding unit, ``L`` for the head unit, ``None`` for the
+            parameters that are not streamed.
+        stage: the stage the executor issues it in (``F_i = i``, ``H = L``, ``B_i = 2L - i``, ``2L + 1`` = after
+            backward: the optimizer step).
+        per_step: issued once per optimizer step (else once per micro-batch).
+    """
+
+    lane: str
+    what: str
+    layer: int | None
+    nbytes: int
+    stage: int
+    per_step: bool = False
+
+
+def step_transfers(plan: Plan, sizes: StepBytes) -> list[Transfer]:
+    """Every transfer of one micro-batch (and the per-step ones) of ``plan``, sorted by issue stage."""
+    L = plan.num_layers
+    if len(sizes.layers) != L:
+        raise ValueError(f"sizes has {len(sizes.layers)} layers but the plan has {L}.")
+    out: list[Transfer] = []
+    tail = 2 * L + 1
+
+    def add(lane: str, what: str, layer: int | None, n: int, stage: int, per_step: bool = False) -> None:
+        if n:
+            out.append(Transfer(lane, what, layer, int(n), stage, per_step))
+
+    fetch_stage = {}
+    for s, items in plan.issue_schedule().items():
+        for what, i in items:
+            fetch_stage[(what, i)] = s
+    for lp in plan.layers:
+        i, u = lp.index, sizes.layers[lp.index]
+        sB = 2 * L - i
+        # ---- weights
+        if lp.resident:
+            up = sizes.upload[i] if sizes.upload is not None else (u.weight if u.grad else 0)
+            add("h2d", "upload", i, up, tail, per_step=True)
+        elif u.weight:
+            add("h2d", "fetch_fwd", i, u.weight, fetch_stage[("fetch_fwd", i)])
+            rec, bwd = plan.block_fetches(i)
+            if rec:
+                add("h2d", "fetch_rec", i, u.weight, 2 * L - plan.block_top(i))
+            if bwd:
+                add("h2d", "fetch_bwd", i, u.weight, min(fetch_stage[("fetch_bwd", i)], sB))
+        # ---- saved activations
+        if lp.policy.startswith("offload"):
+            moved, back = u.saved, u.saved if u.reloaded is None else u.reloaded
+        else:
+            moved = back = u.input
+        if plan.checkpoint_every == 1 and lp.tier != "gpu":
+            add("d2h", "offload", i, moved, i)
+            if lp.tier == "nvme":
+                add("nvme_write", "spill", i, moved, i)
+                add("nvme_read", "unspill", i, back, fetch_stage[("reload", i)])
+            add("h2d", "reload", i, back, fetch_stage[("reload", i)])
+        # ---- gradients
+        add("d2h", "grad", i, u.grad, sB)
+    if plan.stream_embeddings:
+        add("h2d", "fetch_fwd", -1, sizes.embed.weight, 0)
+        add("h2d", "fetch_fwd", L, sizes.head.weight, L)
+        if sizes.tied:
+            add("h2d", "fetch_fwd", -1, sizes.embed.weight, L)
+        add("d2h", "grad", L, sizes.head.grad, L)
+        add("d2h", "grad", -1, sizes.embed.grad, 2 * L)
+    add("d2h", "grad", None, sizes.resident_grad, tail, per_step=True)
+    add("h2d", "upload", None, sizes.resident_upload, tail, per_step=True)
+    out.sort(key=lambda t: t.stage)
+    return out
+
+
+def bytes_per_step(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: int = 1) -> dict[str, int]:
+    """Bytes per lane of one optimizer step of ``gradient_accumulation_steps`` micro-batches (`LANES` keys)."""
+    if gradient_accumulation_steps < 1:
+        raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
+    total = {lane: 0 for lane in LANES}
+    for t in step_transfers(plan, sizes):
+        total[t.lane] += t.nbytes * (1 if t.per_step else gradient_accumulation_steps)
+    return total
+
+
+# ---------------------------------------------------------------------------------------------- sizes
+def sizes_from_cost_model(cm: Any) -> StepBytes:
+    """`StepBytes` from the analytic `CostModel` (weights without the store's alignment padding)."""
+    layers = [UnitBytes(lc.weight_bytes, lc.grad_bytes, lc.saved_bytes, lc.input_bytes) for lc in cm.layers]
+    return StepBytes(
+        layers=layers,
+        embed=UnitBytes(cm.embed_bytes, cm.embed_grad_bytes),
+        head=UnitBytes(cm.head_bytes, cm.head_grad_bytes),
+        tied=not cm.head_bytes,
+        resident_grad=cm.embed_grad_bytes + cm.head_grad_bytes,
+        resident_upload=cm.embed_bytes + cm.head_bytes,
+    )
+
+
+def sizes_from_model(
+    model: Any,
+    plan: Plan,
+    seq_len: int | None = None,
+    compute_dtype: Any = None,
+    attn_implementation: str | None = None,
+    device: Any = "cpu",
+    offload_bytes: list[int] | None = None,
+) -> StepBytes:
+    """Exact `StepBytes` of ``model`` (a ``*ForCausalLM``, possibly under PEFT) under ``plan``: weights from the host
+    store's layout of each layer's parameters (`lazytrain_hf.streaming.store.layer_layout`), gradients from the
+    trainable parameters' dtypes, saved bytes from the cost model's formulas (exact for the supported layers, see
+    ``tests/test_planner_costmodel.py``) at ``plan.micro_batch_size`` x ``seq_len`` (default ``plan.seq_len``).
+    ``compute_dtype``: the compute copy's dtype when it differs from the parameters' (``bf16=True``). ``device``: the
+    compute device; on the CPU an fp32 parameter that is not streamed is its own master, so its gradient and update
+    move nothing. ``offload_bytes``: per layer, ``(bytes offloaded, bytes reloaded)`` when its saved tensors are
+    offloaded, measured (`lazytrain_hf.training.planning.measure_offload_bytes`); else the saved-bytes formula."""
+    import torch
+
+    from .. import models
+    from ..streaming.binder import RESIDENT_TRAINABLE_FRACTION
+    from ..streaming.store import layer_layout
+    from .costmodel import saved_activation_bytes
+
+    root = model
+    inner = getattr(root, "module", root)
+    if hasattr(inner, "get_base_model"):
+        inner = inner.get_base_model()
+    config = inner.config
+    T = int(seq_len or plan.seq_len)
+    B = int(plan.micro_batch_size)
+    attn = attn_implementation or getattr(config, "_attn_implementation", None) or "sdpa"
+    attn = "eager" if attn == "eager" else "sdpa"
+
+    def cdt(p: torch.Tensor) -> torch.dtype:
+        return compute_dtype if compute_dtype is not None and p.dtype == torch.float32 else p.dtype
+
+    layers_mod = models.decoder_layers(inner)
+    streamed: set[int] = set()
+    units, uploads = [], []
+    act_dtype = None
+    for i, layer in enumerate(layers_mod):
+        params = list(layer.parameters())
+        trainable = [p for p in params if p.requires_grad]
+        frozen = [p for p in params if not p.requires_grad]
+        n_train = sum(p.numel() for p in trainable)
+        n_all = sum(p.numel() for p in params)
+        keep_train_resident = bool(frozen) and bool(trainable) and n_train < RESIDENT_TRAINABLE_FRACTION * n_all
+        s_params = frozen if keep_train_resident else params
+        streamed.update(id(p) for p in s_params)
+        lay = layer_layout([(p.numel(), p.dtype, p.requires_grad) for p in s_params], compute_dtype)
+        grad = sum(p.numel() * cdt(p).itemsize for p in s_params if p.requires_grad)
+        act_dtype = act_dtype or (cdt(params[0]) if params else torch.float32)
+        db = act_dtype.itemsize
+        reloaded = None
+        if offload_bytes is not None:
+            saved, reloaded = (int(x) for x in offload_bytes[i])
+        else:
+            saved = saved_activation_bytes(config, i, "keep", B, T, db, attn_implementation=attn)
+        inp = B * T * int(config.hidden_size) * db
+        units.append(UnitBytes(lay.compute_bytes if s_params else 0, grad, saved, inp, reloaded))
+        uploads.append(lay.compute_bytes if s_params and grad else 0)
+    embed_mod, norm_mod, head_mod = models.embed_tokens(inner), models.final_norm(inner), models.lm_head(inner)
+    embed_params = list(embed_mod.parameters())
+    embed_ids = {id(p) for p in embed_params}
+    tied = any(id(p) in embed_ids for p in head_mod.parameters())
+    head_params = list(norm_mod.parameters()) + [p for p in head_mod.parameters() if id(p) not in embed_ids]
+    embed = head = UnitBytes()
+    if plan.stream_embeddings:
+
+        def unit(ps: list[torch.Tensor]) -> UnitBytes:
+            if not ps:
+                return UnitBytes()
+            lay = layer_layout([(p.numel(), p.dtype, p.requires_grad) for p in ps], compute_dtype)
+            return UnitBytes(lay.compute_bytes, sum(p.numel() * cdt(p).itemsize for p in ps if p.requires_grad))
+
+        embed, head = unit(embed_params), unit(head_params)
+        streamed.update(id(p) for p in embed_params + head_params)
+    on_cpu = torch.device(device).type == "cpu"
+    res = [p for p in root.parameters() if id(p) not in streamed and p.requires_grad]
+    # Note: the updater aliases an fp32 parameter on the CPU device as its own master (training/updater.py)
+    res_bytes = sum(p.numel() * cdt(p).itemsize for p in res if not (on_cpu and cdt(p) == torch.float32))
+    return StepBytes(
+        layers=units,
+        embed=embed,
+        head=head,
+        tied=tied,
+        resident_grad=res_bytes,
+        resident_upload=res_bytes,
+        upload=uploads,
+    )
