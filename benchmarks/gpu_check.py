@@ -1,6 +1,7 @@
 """End-to-end check and measurement of the GPU path: parity, hardware profile, step time per plan, predictions.
 
     PYTHONUNBUFFERED=1 python benchmarks/gpu_check.py --out $OUT/gpu --budgets 24GiB,48GiB     # one GPU
+    PYTHONPATH=. python benchmarks/gpu_check.py --only-plan-space --out $OUT/ps                 # plan space only
     PYTHONPATH=. .venv/bin/python benchmarks/gpu_check.py --dry-run --out /tmp/gc               # CPU, tiny sizes
 
 Sections, run in order; each is guarded (a failure is recorded in the JSON with its traceback and the script goes
@@ -29,12 +30,34 @@ on):
    ``zero_grad``. Median step time, TFLOPS, peak device memory.
 5. ``prediction``: the stage model's (MILP) and the simulator's step time against the measured one, error in %.
 
+``plan_space`` (after ``optimizer``, before the model sections): parity and timing over the plan space on a small
+qwen3 (4 layers; hidden 256, seq 256, micro-batch 4, 6 steps on the GPU), trained through
+``LazyTrainer(planner_plan=...)``. Cases (`PLAN_SPACE_CASES`): ``default`` (Plan.default), ``resident`` (layers
+resident), ``optimizer_overlap``, ``grad_accum`` (3 micro-batches), ``stream_embeddings``, ``block_recompute``
+(``checkpoint_every=2``), ``nvme`` (spill dir in a temp dir), ``bf16`` (bf16 compute copy, fp32 masters). Each is
+compared with the keep-all, no-overlap run with the same gradient accumulation, dtype and stream_embeddings: every
+micro-batch loss, final weight and fp32 master ``torch.equal`` (the executor only moves data) when two runs of that
+reference agree bit for bit on the device (deterministic algorithms on, ``CUBLAS_WORKSPACE_CONFIG=:4096:8``),
+otherwise within `PLAN_SPACE_RTOL`; ``stream_embeddings`` is also held to `PLAN_SPACE_RTOL` against the reference
+without it (its summation order differs). Per case: median step time (steps 2..N), peak device memory, host syncs
+per step (``handle.trace.steps``; "n/a" without a trace). Then every case once more (2 steps) in a child process of
+this script under PyTorch's CUDA stream sanitizer (``TORCH_CUDA_SANITIZER=1``; it sees the kernels launched on the
+training and autograd threads), reporting every unsynchronised access it prints. One row per case.
+
+Time on one H200 (estimate; not measured yet): imports and environment ~15 s, parity ~20 s, profile ~30 s,
+optimizer ~30 s, plan space ~40 s + sanitizer pass ~60-120 s, then the model sections until the time budget
+(default 400 s from the start) is spent, plus the last run's overrun and the writes: ~7-7.5 minutes in all.
+
 The time budget (``--time-budget-s``) skips the remaining runs and model sizes, with a note, once it would be
 exceeded. Outputs in ``--out``: ``gpu_check.json``, ``gpu_check.md``, ``measured_profile.json`` (+ per model); the
 short table is printed last.
 
 ``--dry-run`` runs the same code on the CPU with tiny qwen3 / qwen3_moe configs and tiny budgets that force
 streaming; there the "GPU" is the CPU (peak memory is the executor's accounted device peak, not an allocator's).
+Plan-space cases run on the simulated asynchronous CPU engine (``LAZYTRAIN_SIMULATE_ASYNC=1``), their references on
+the synchronous one; the sanitizer needs CUDA, so there the child runs the cases without it and says so.
+``--only-plan-space`` runs just that section (``--plan-space-cases a,b`` a subset, ``--no-sanitizer`` without the
+child).
 """
 
 from __future__ import annotations
@@ -48,6 +71,7 @@ import math
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -699,6 +723,407 @@ def section_prediction(model_results: list[dict]) -> dict[str, Any]:
     return out
 
 
+# ---------------------------------------------------------------------------------------------------- plan space
+# Each case: (plan shape, gradient accumulation, dtype, stream_embeddings). Its reference is the keep-all plan
+# (every activation kept, every layer streamed, prefetch 1, no optimizer overlap) with the same data (gradient
+# accumulation, dtype) and the same settings that change a summation order (stream_embeddings), trained on the
+# synchronous engine in the dry run (FACTS: stream_embeddings changes the loss in the 7th digit, so it is compared
+# against a reference with the same setting, and against the plain keep-all run within PLAN_SPACE_RTOL as well).
+PLAN_SPACE_CASES = (
+    "default",
+    "resident",
+    "optimizer_overlap",
+    "grad_accum",
+    "stream_embeddings",
+    "block_recompute",
+    "nvme",
+    "bf16",
+)
+# Used only where bit-exactness cannot be asked for: when two runs of the reference itself differ on the device
+# (non-deterministic kernels), and for stream_embeddings against the reference without it. Relative L2 of all
+# final weights and relative error of every micro-batch loss; fp32 then bf16 (8 significant bits, several steps).
+PLAN_SPACE_RTOL = {torch.float32: 1e-4, torch.bfloat16: 2e-2}
+PLAN_SPACE_CHILD_TAG = "PLAN_SPACE_CHILD "
+
+
+def plan_space_case(name: str, kinds: list[str], micro_batch: int, seq: int):
+    """``(plan, gradient accumulation, dtype, description)`` of one case."""
+    from lazytrain_hf.planner.plan import Plan
+
+    L = len(kinds)
+    plan = Plan.default(L, kinds, micro_batch_size=micro_batch, seq_len=seq, source="file")
+    ga, dtype = 1, torch.float32
+    if name == "default":
+        desc = "Plan.default: all kept, streamed, prefetch 1, optimizer overlap on"
+    elif name == "resident":
+        plan.optimizer_overlap = False
+        for lp in plan.layers[1:]:
+            lp.resident = True
+        desc = f"layers 1-{L - 1} resident, no overlap"
+    elif name == "optimizer_overlap":
+        plan.optimizer_overlap = True
+        for lp in plan.layers:
+            lp.resident = lp.index % 2 == 1
+            lp.fetch_fwd_ahead = lp.fetch_bwd_ahead = 2
+        plan.layers[0].policy = "offload_cpu"
+        desc = "overlap on, odd layers resident, prefetch 2, layer 0 offload_cpu"
+    elif name == "grad_accum":
+        ga = 3
+        plan.optimizer_overlap = False
+        pols = [("offload_cpu", "gpu"), ("recompute", "cpu"), ("keep", "gpu"), ("recompute", "gpu")]
+        for lp, (pol, tier) in zip(plan.layers, pols * L):
+            lp.policy, lp.input_tier, lp.reload_ahead = pol, tier, 1
+        desc = "gradient accumulation 3, offload_cpu / recompute(cpu) / keep / recompute"
+    elif name == "stream_embeddings":
+        plan.stream_embeddings = True
+        desc = "embeddings, final norm and lm_head streamed"
+    elif name == "block_recompute":
+        plan.checkpoint_every = 2
+        for lp in plan.layers:
+            lp.policy, lp.input_tier = "recompute", "gpu"
+        desc = "block recompute, checkpoint_every=2"
+    elif name == "nvme":
+        pols = [("offload_nvme", "gpu"), ("recompute", "nvme"), ("offload_cpu", "gpu"), ("offload_nvme", "gpu")]
+        for lp, (pol, tier) in zip(plan.layers, pols * L):
+            lp.policy, lp.input_tier, lp.reload_ahead = pol, tier, 2
+        desc = "offload_nvme / recompute(nvme) / offload_cpu, spill dir in a temp dir"
+    elif name == "bf16":
+        dtype = torch.bfloat16
+        plan.layers[1].policy = "offload_cpu"
+        plan.layers[2].resident = True
+        desc = "bf16 compute copy (fp32 masters), layer 1 offload_cpu, layer 2 resident, overlap on"
+    else:
+        raise ValueError(f"--plan-space-cases: unknown case {name!r}; choose from {', '.join(PLAN_SPACE_CASES)}.")
+    return plan.validate(), ga, dtype, desc
+
+
+def plan_space_reference_plan(kinds: list[str], micro_batch: int, seq: int, stream_embeddings: bool):
+    from lazytrain_hf.planner.plan import Plan
+
+    plan = Plan.default(L := len(kinds), kinds, micro_batch_size=micro_batch, seq_len=seq, source="file")
+    assert plan.num_layers == L
+    plan.optimizer_overlap = False
+    plan.stream_embeddings = stream_embeddings
+    return plan.validate()
+
+
+def plan_space_sizes(dry_run: bool) -> dict[str, int]:
+    if dry_run:
+        return dict(hidden=32, layers=4, vocab=128, seq=16, micro_batch=2, steps=3)
+    return dict(hidden=256, layers=4, vocab=2048, seq=256, micro_batch=4, steps=6)
+
+
+def plan_space_train(cfg, plan, ga: int, dtype: torch.dtype, device: torch.device, steps: int, simulate: bool,
+                     tmp: str) -> dict[str, Any]:  # fmt: skip
+    """Train ``steps`` optimizer steps through `LazyTrainer(planner_plan=...)`; losses, weights, masters, timing."""
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    from lazytrain_hf import LazyTrainer, LazyTrainingArguments
+    from lazytrain_hf.streams import SIMULATE_ENV
+
+    prev = os.environ.get(SIMULATE_ENV)
+    os.environ[SIMULATE_ENV] = "1" if simulate else "0"
+    try:
+        run_dir = tempfile.mkdtemp(dir=tmp)
+        nvme = os.path.join(run_dir, "nvme")
+        os.makedirs(nvme)
+        plan_path = os.path.join(run_dir, "plan.json")
+        plan.to_json(plan_path)
+        model = build_model(cfg, torch.float32, torch.device("cpu")).to(dtype)
+        n = steps * ga * plan.micro_batch_size
+        g = torch.Generator().manual_seed(5)
+        ids = torch.randint(0, cfg.vocab_size, (n, plan.seq_len), generator=g)
+        ds = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+        args = LazyTrainingArguments(
+            output_dir=os.path.join(run_dir, "out"),
+            per_device_train_batch_size=plan.micro_batch_size,
+            gradient_accumulation_steps=ga,
+            max_steps=steps,
+            learning_rate=1e-2,
+            max_grad_norm=1.0,
+            logging_steps=steps,  # one log at the end: no per-step loss read-back
+            report_to=[],
+            seed=5,
+            data_seed=5,
+            use_cpu=device.type == "cpu",
+            save_strategy="no",
+            disable_tqdm=True,
+            planner_plan=plan_path,
+            activation_nvme_dir=nvme,
+        )
+        trainer = LazyTrainer(model=model, args=args, train_dataset=ds)
+        losses: list[torch.Tensor] = []
+        inner = trainer.compute_loss
+
+        def compute_loss(*a, **k):
+            loss = inner(*a, **k)
+            losses.append(loss.detach().clone())
+            return loss
+
+        trainer.compute_loss = compute_loss
+        got: dict[str, Any] = {"step_ends": [], "masters": {}, "host_syncs": None, "peak": None}
+
+        class Capture(TrainerCallback):
+            def on_step_end(self, args, state, control, **kwargs):
+                got["step_ends"].append(time.perf_counter())
+
+            def on_train_end(self, args, state, control, **kwargs):
+                trainer._updater.wait_all()
+                got["masters"] = {k: m.detach().clone().cpu() for k, m in trainer._updater.named_masters()}
+                handle = getattr(trainer, "stream_handle", None)
+                if handle is not None and device.type == "cpu":
+                    got["peak"] = int(handle.memory_stats()["device_peak_bytes"])
+                trace = getattr(handle, "trace", None)
+                per_step = getattr(trace, "steps", None)
+                if per_step is not None:
+                    got["host_syncs"] = [int(s.get("host_syncs", 0)) for s in per_step]
+
+        trainer.add_callback(Capture())
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+            torch.cuda.reset_peak_memory_stats(device)
+        t0 = time.perf_counter()
+        trainer.train()
+        sync(device)
+        wall = time.perf_counter() - t0
+        if device.type == "cuda":
+            got["peak"] = int(torch.cuda.max_memory_allocated(device))
+        ends = got["step_ends"]
+        durations = [b - a for a, b in zip(ends, ends[1:])]  # steps 2..N (the first includes the warm-up)
+        weights = {k: v.detach().clone().cpu() for k, v in model.state_dict().items()}
+        trainer = model = None  # noqa: F841 (dropped before the next run builds its own)
+        free_device_memory(device)
+        return {
+            "losses": [x.float().cpu() for x in losses],
+            "weights": weights,
+            "masters": got["masters"],
+            "step_time_s": statistics.median(durations) if durations else None,
+            "train_wall_s": wall,
+            "peak_device_bytes": got["peak"],
+            "host_syncs_per_step": got["host_syncs"],
+        }
+    finally:
+        if prev is None:
+            os.environ.pop(SIMULATE_ENV, None)
+        else:
+            os.environ[SIMULATE_ENV] = prev
+
+
+def _state_diff(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor]) -> tuple[bool, float, list[str]]:
+    """(bit-exact, relative L2 of all tensors together, names that differ)."""
+    bad = [k for k in ref if k not in got or not torch.equal(got[k], ref[k])]
+    num = sum(float((got[k].double() - ref[k].double()).square().sum()) for k in ref if k in got)
+    den = sum(float(ref[k].double().square().sum()) for k in ref)
+    return not bad and sorted(got) == sorted(ref), math.sqrt(num / max(den, 1e-30)), bad
+
+
+def compare_runs(got: dict, ref: dict) -> dict[str, Any]:
+    """Losses, final weights and fp32 masters of ``got`` against ``ref``: bit-exact, and the relative errors."""
+    n = min(len(got["losses"]), len(ref["losses"]))
+    loss_exact = len(got["losses"]) == len(ref["losses"]) and all(
+        torch.equal(a, b) for a, b in zip(got["losses"], ref["losses"])
+    )
+    loss_err = max(
+        (float((a - b).abs().max()) / max(float(b.abs().max()), 1e-12) for a, b in zip(got["losses"], ref["losses"])),
+        default=0.0,
+    )
+    w_exact, w_err, w_bad = _state_diff(got["weights"], ref["weights"])
+    m_exact, m_err, m_bad = _state_diff(got["masters"], ref["masters"])
+    return {
+        "bit_exact": bool(loss_exact and w_exact and m_exact),
+        "losses_compared": n,
+        "loss_count_match": len(got["losses"]) == len(ref["losses"]),
+        "max_loss_rel_err": loss_err,
+        "weights_rel_l2": w_err,
+        "masters_rel_l2": m_err,
+        "first_differing": (w_bad + m_bad)[:5],
+    }
+
+
+def _median_or_na(xs: list[int] | None) -> str:
+    return "n/a" if xs is None or not xs else f"{statistics.median(xs):g}"
+
+
+def plan_space_cases_run(device: torch.device, dry_run: bool, names: list[str], steps: int | None = None,
+                         with_references: bool = True) -> dict[str, Any]:  # fmt: skip
+    """Run every case (and, with ``with_references``, its reference); returns per-case rows (no tensors)."""
+    from lazytrain_hf import models
+
+    sz = plan_space_sizes(dry_run)
+    steps = steps or sz["steps"]
+    cfg = tiny_hf_config("qwen3", hidden=sz["hidden"], layers=sz["layers"], vocab=sz["vocab"])
+    kinds = models.layer_kinds(cfg)
+    simulate = device.type == "cpu"  # cases under the simulated asynchronous engine; references synchronous
+    out: dict[str, Any] = {"sizes": dict(sz, steps=steps), "cases": {}, "references": {}}
+    refs: dict[tuple, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="gpu_check_plan_space_") as tmp:
+
+        def reference(ga: int, dtype: torch.dtype, se: bool) -> dict:
+            key = (ga, dtype, se)
+            if key not in refs:
+                plan = plan_space_reference_plan(kinds, sz["micro_batch"], sz["seq"], se)
+                refs[key] = plan_space_train(cfg, plan, ga, dtype, device, steps, False, tmp)
+                out["references"][f"ga={ga} {str(dtype).split('.')[-1]} stream_embeddings={se}"] = {
+                    "step_time_s": refs[key]["step_time_s"],
+                    "peak_device_bytes": refs[key]["peak_device_bytes"],
+                }
+            return refs[key]
+
+        deterministic = None
+        if with_references:
+            base = reference(1, torch.float32, False)
+            again = plan_space_train(
+                cfg, plan_space_reference_plan(kinds, sz["micro_batch"], sz["seq"], False), 1, torch.float32, device,
+                steps, False, tmp,
+            )  # fmt: skip
+            deterministic = compare_runs(again, base)["bit_exact"]
+            out["reference_deterministic"] = deterministic
+        for name in names:
+            plan, ga, dtype, desc = plan_space_case(name, kinds, sz["micro_batch"], sz["seq"])
+            row: dict[str, Any] = {"case": name, "plan": desc, "gradient_accumulation": ga,
+                                   "dtype": str(dtype).split(".")[-1]}  # fmt: skip
+            try:
+                run = plan_space_train(cfg, plan, ga, dtype, device, steps, simulate, tmp)
+            except Exception as e:  # a failing case is a result; the others still run
+                row.update(
+                    status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc(), ok=False
+                )
+                out["cases"][name] = row
+                continue
+            row.update(
+                status="ok",
+                step_time_s=run["step_time_s"],
+                peak_device_bytes=run["peak_device_bytes"],
+                host_syncs_per_step=run["host_syncs_per_step"],
+            )
+            if with_references:
+                ref = reference(ga, dtype, plan.stream_embeddings)
+                cmp = compare_runs(run, ref)
+                tol = PLAN_SPACE_RTOL[dtype]
+                within = cmp["max_loss_rel_err"] <= tol and cmp["weights_rel_l2"] <= tol and cmp["loss_count_match"]
+                row["vs_reference"] = cmp
+                row["check"] = "bit-exact" if deterministic else f"rel err <= {tol:g} (reference not deterministic)"
+                row["ok"] = bool(cmp["bit_exact"] if deterministic else within)
+                if plan.stream_embeddings:
+                    plain = compare_runs(run, reference(ga, dtype, False))
+                    row["vs_keep_all_without_stream_embeddings"] = plain
+                    row["ok"] = row["ok"] and plain["max_loss_rel_err"] <= tol and plain["weights_rel_l2"] <= tol
+            out["cases"][name] = row
+    return out
+
+
+def _sanitizer_pass(device: torch.device, dry_run: bool, names: list[str], timeout_s: float) -> dict[str, Any]:
+    """Every case once more (2 steps, no references) in a child process of this script under PyTorch's CUDA stream
+    sanitizer (``TORCH_CUDA_SANITIZER=1``); what it reports about unsynchronised accesses, per case. The sanitizer
+    needs CUDA (with a CPU-only torch every operator fails under it): on the CPU the child runs without it and the
+    result says so."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    enabled = device.type == "cuda"
+    if enabled:
+        env["TORCH_CUDA_SANITIZER"] = "1"
+    else:
+        env.pop("TORCH_CUDA_SANITIZER", None)
+    cmd = [sys.executable, os.path.abspath(__file__), "--plan-space-child", "--plan-space-cases", ",".join(names),
+           "--out", tempfile.gettempdir()] + (["--dry-run"] if dry_run else [])  # fmt: skip
+    t0 = time.perf_counter()
+    res: dict[str, Any] = {"enabled": enabled, "command": " ".join(cmd), "cases": {}}
+    if not enabled:
+        res["note"] = "TORCH_CUDA_SANITIZER needs CUDA: the child ran the cases without the sanitizer"
+    try:
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=max(10.0, timeout_s))
+    except subprocess.TimeoutExpired as e:
+        res.update(status="timeout", seconds=time.perf_counter() - t0, stderr_tail=str(e.stderr or "")[-2000:])
+        return res
+    res["seconds"] = time.perf_counter() - t0
+    res["returncode"] = proc.returncode
+    races = [b.strip() for b in proc.stderr.split("============================") if "CSAN detected" in b]
+    res["unsynchronized_accesses"] = races[:20]
+    res["num_unsynchronized_accesses"] = len(races)
+    line = [x for x in proc.stdout.splitlines() if x.startswith(PLAN_SPACE_CHILD_TAG)]
+    if not line:
+        res.update(status="error", stderr_tail=proc.stderr[-3000:])
+        return res
+    child = json.loads(line[-1][len(PLAN_SPACE_CHILD_TAG) :])
+    for name, row in child["cases"].items():
+        err = row.get("error", "")
+        res["cases"][name] = {
+            "status": row["status"],
+            "error": err[:2000],
+            "race": "CSAN detected" in err or "CUDASanitizerErrors" in err,
+        }
+    res["status"] = "ok" if proc.returncode == 0 else "error"
+    return res
+
+
+def section_plan_space(device: torch.device, dry_run: bool, names: list[str], sanitizer: bool,
+                       budget: Budget) -> dict[str, Any]:  # fmt: skip
+    """Parity and timing over the plan space (See PLAN_SPACE_CASES), then one pass under the CUDA stream
+    sanitizer. One row per case."""
+    det = None
+    if device.type == "cuda":
+        det = torch.are_deterministic_algorithms_enabled()
+        torch.use_deterministic_algorithms(True, warn_only=True)  # bit-exactness needs deterministic kernels
+    try:
+        out = plan_space_cases_run(device, dry_run, names)
+    finally:
+        if det is not None:
+            torch.use_deterministic_algorithms(det)
+    tol = ", ".join(f"{str(k).split('.')[-1]} {v:g}" for k, v in PLAN_SPACE_RTOL.items())
+    out["tolerance"] = (
+        "losses (every micro-batch), final weights and fp32 masters torch.equal to the keep-all, no-overlap run with "
+        "the same gradient accumulation, dtype and stream_embeddings"
+        + (" (synchronous engine; cases on the simulated asynchronous engine)" if device.type == "cpu" else "")
+        + f"; when two reference runs differ on the device, and for stream_embeddings against the reference without "
+        f"it: max relative loss error and relative L2 of the weights <= {tol}"
+    )
+    if sanitizer:
+        left = max(60.0, budget.seconds - budget.elapsed()) if device.type == "cuda" else 300.0
+        out["sanitizer"] = _sanitizer_pass(device, dry_run, names, timeout_s=min(240.0, left))
+    else:
+        out["sanitizer"] = {"enabled": False, "status": "skipped", "cases": {}}
+    san = out["sanitizer"]
+    log(f"   reference (keep-all, no overlap) deterministic on {device}: {out.get('reference_deterministic')}")
+    log(f"   {'case':<18} {'ok':<5} {'check':<10} {'step ms':>9} {'peak MiB':>9} {'syncs/step':>10}  sanitizer  plan")
+    for name in names:
+        row = out["cases"][name]
+        if row["status"] != "ok":
+            log(f"   {name:<18} FAIL  error: {row['error'][:150]}")
+            continue
+        srow = san.get("cases", {}).get(name)
+        if not san.get("enabled"):
+            s = "n/a (cpu)" if srow is None or srow["status"] == "ok" else "child err"
+        else:
+            s = "race" if srow and srow["race"] else ("clean" if srow and srow["status"] == "ok" else "error")
+        row["sanitizer"] = s
+        peak = row["peak_device_bytes"]
+        log(
+            f"   {name:<18} {str(row['ok']):<5} {'exact' if row['vs_reference']['bit_exact'] else 'tol':<10} "
+            f"{1e3 * (row['step_time_s'] or 0):>9.2f} {(peak or 0) / 2**20:>9.2f} "
+            f"{_median_or_na(row['host_syncs_per_step']):>10}  {s:<10} {row['plan']}"
+        )
+    if san.get("enabled"):
+        log(f"   sanitizer: {san.get('num_unsynchronized_accesses', 0)} unsynchronised accesses reported")
+        for r in san.get("unsynchronized_accesses", [])[:3]:
+            log("   " + r.replace("\n", "\n   ")[:1500])
+    elif san.get("note"):
+        log(f"   sanitizer: {san['note']}")
+    out["ok"] = all(out["cases"][n].get("ok") for n in names) and (
+        san.get("status") in ("ok", "skipped") and not san.get("num_unsynchronized_accesses")
+    )
+    return out
+
+
+def plan_space_child(args) -> int:
+    """``--plan-space-child``: the cases once (2 steps, no references); one JSON line (the parent reads it)."""
+    device = torch.device("cpu") if args.dry_run else torch.device("cuda", torch.cuda.current_device())
+    names = args.plan_space_cases
+    res = plan_space_cases_run(device, args.dry_run, names, steps=2, with_references=False)
+    rows = {n: {k: v for k, v in r.items() if k in ("status", "error")} for n, r in res["cases"].items()}
+    print(PLAN_SPACE_CHILD_TAG + json.dumps({"cases": rows}), flush=True)
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------------- tables
 def summary_rows(model_results: list[dict]) -> list[dict[str, Any]]:
     rows = []
@@ -783,6 +1208,32 @@ def markdown(report: dict, rows: list[dict], header: list[str]) -> str:
                 f"{per['plain_bf16_vs_fp32_rel_l2']:.2e} | | |"
             )
         out.append("")
+    ps = report["sections"].get("plan_space", {})
+    if ps.get("status") == "ok":
+        p = ps["result"]
+        out += ["## Plan space", "", f"Check: {p['tolerance']}.", ""]
+        out += [f"Reference deterministic on the device: {p.get('reference_deterministic')}.", ""]
+        out += [
+            "| case | plan | ok | bit-exact | max loss rel err | weights rel L2 | step ms | peak MiB | host syncs/step "
+            "| sanitizer |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, row in p["cases"].items():
+            if row["status"] != "ok":
+                out.append(f"| {name} | {row['plan']} | False | error: {row['error'][:200]} | | | | | | |")
+                continue
+            cmp = row["vs_reference"]
+            out.append(
+                f"| {name} | {row['plan']} | {row['ok']} | {cmp['bit_exact']} | {cmp['max_loss_rel_err']:.2e} | "
+                f"{cmp['weights_rel_l2']:.2e} | {1e3 * (row['step_time_s'] or 0):.2f} | "
+                f"{(row['peak_device_bytes'] or 0) / 2**20:.2f} | {_median_or_na(row['host_syncs_per_step'])} | "
+                f"{row.get('sanitizer', '-')} |"
+            )
+        san = p["sanitizer"]
+        out += ["", f"Sanitizer: {san.get('status')}, enabled {san.get('enabled')}; {san.get('note', '')}"]
+        for r in san.get("unsynchronized_accesses", []):
+            out += ["", "```", r, "```"]
+        out.append("")
     for name, sec in report["sections"].items():
         if sec["status"] != "ok":
             out += [f"## Section `{name}` failed", "", "```", sec.get("traceback", sec.get("error", "")), "```", ""]
@@ -809,6 +1260,16 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-parity", action="store_true", help="skip the parity section")
     p.add_argument("--skip-optimizer", action="store_true", help="skip the host-CPU optimizer section")
     p.add_argument("--optim-params", type=int, default=None, help="parameters of the optimizer section (200M; dry 2M)")
+    p.add_argument("--skip-plan-space", action="store_true", help="skip the plan-space section")
+    p.add_argument("--only-plan-space", action="store_true", help="run only the environment and plan-space sections")
+    p.add_argument(
+        "--plan-space-cases",
+        type=lambda s: [c for c in s.split(",") if c],
+        default=list(PLAN_SPACE_CASES),
+        help=f"plan-space cases, comma separated (default all: {','.join(PLAN_SPACE_CASES)})",
+    )
+    p.add_argument("--no-sanitizer", action="store_true", help="skip the CUDA stream sanitizer pass")
+    p.add_argument("--plan-space-child", action="store_true", help=argparse.SUPPRESS)  # the sanitizer's child
     return p
 
 
@@ -818,6 +1279,14 @@ def main(argv: list[str] | None = None) -> int:
     if not dry and not torch.cuda.is_available():
         log("CUDA is not available: run with --dry-run for the CPU version of every section.")
         return 2
+    bad = [c for c in args.plan_space_cases if c not in PLAN_SPACE_CASES]
+    if bad:
+        raise ValueError(f"--plan-space-cases: unknown {bad}; choose from {', '.join(PLAN_SPACE_CASES)}.")
+    if not dry:
+        # deterministic cuBLAS reductions (set before the first cuBLAS handle): plan-space parity is bit-exact
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    if args.plan_space_child:
+        return plan_space_child(args)
     device = torch.device("cpu") if dry else torch.device("cuda", torch.cuda.current_device())
     args.budgets = (args.budgets or ("3MiB,6MiB" if dry else "24GiB,48GiB")).split(",")
     args.seq_len = args.seq_len or (64 if dry else 1024)
@@ -825,7 +1294,7 @@ def main(argv: list[str] | None = None) -> int:
     args.steps = args.steps or (2 if dry else 3)
     args.timing_batch = args.timing_batch or (1 if dry else 2)
     args.solver_time_limit = args.solver_time_limit or (5.0 if dry else 10.0)
-    budget = Budget(args.time_budget_s or (50.0 if dry else 450.0))
+    budget = Budget(args.time_budget_s or (50.0 if dry else 400.0))
     os.makedirs(args.out, exist_ok=True)
     torch.manual_seed(SEED)
     report: dict[str, Any] = {
@@ -838,12 +1307,21 @@ def main(argv: list[str] | None = None) -> int:
         "notes": [],
     }
     env = run_section(report, "environment", section_environment, device) or {}
+    if args.only_plan_space:
+        run_section(
+            report, "plan_space", section_plan_space, device, dry, args.plan_space_cases, not args.no_sanitizer, budget
+        )
+        return finish(report, args, env, [], None, budget, device)
     if not args.skip_parity:
         run_section(report, "parity", section_parity, device, dry)
     prof_res = run_section(report, "profile", section_profile, device, dry, args.out)
     if not args.skip_optimizer:
         params = args.optim_params or (2_000_000 if dry else 200_000_000)
         run_section(report, "optimizer", section_optimizer, dry, params)
+    if not args.skip_plan_space:
+        run_section(
+            report, "plan_space", section_plan_space, device, dry, args.plan_space_cases, not args.no_sanitizer, budget
+        )
     from lazytrain_hf.planner import hardware
 
     if prof_res is not None:
@@ -874,7 +1352,32 @@ def main(argv: list[str] | None = None) -> int:
         )
         cal.to_json(prof_res["path"])
         report["calibrated_achievable_fraction"] = cal.achievable_fraction
+    return finish(report, args, env, model_results, prof_res, budget, device)
 
+
+def plan_space_line(report: dict) -> str:
+    sec = report["sections"].get("plan_space", {})
+    if sec.get("status") != "ok":
+        return f"plan space: {sec.get('status', 'skipped')}"
+    res = sec["result"]
+    cases = res["cases"]
+    san = res["sanitizer"]
+    san_text = (
+        f"sanitizer {san.get('num_unsynchronized_accesses', 0)} unsynchronised accesses"
+        if san.get("enabled")
+        else f"sanitizer {san.get('status')}: {san.get('note', 'not run')}"
+    )
+    return (
+        f"plan space: {'ok' if res['ok'] else 'FAILED'} ({sum(bool(c.get('ok')) for c in cases.values())}/"
+        f"{len(cases)} cases match the keep-all no-overlap reference; {san_text})"
+    )
+
+
+def finish(report: dict, args, env: dict, model_results: list, prof_res, budget: Budget, device) -> int:
+    """Write gpu_check.json / gpu_check.md, print the summary; 1 when a section failed."""
+    from lazytrain_hf.planner import hardware
+
+    dry = args.dry_run
     rows = summary_rows(model_results)
     elapsed = budget.elapsed()
     report["summary"] = rows
@@ -902,6 +1405,7 @@ def main(argv: list[str] | None = None) -> int:
         par_line,
         prof_line,
         optimizer_line(report),
+        plan_space_line(report),
         "max |pred err| "
         + ", max |sim err| ".join(
             "-" if pred.get(k) is None else f"{pred[k]:.1f}%" for k in ("max_abs_milp_err_pct", "max_abs_sim_err_pct")
@@ -920,6 +1424,10 @@ def main(argv: list[str] | None = None) -> int:
     failed = [n for n, s in report["sections"].items() if s["status"] != "ok"]
     if failed:
         log(f"failed sections: {', '.join(failed)} (tracebacks in gpu_check.json)")
+    ps = report["sections"].get("plan_space", {})
+    if ps.get("status") == "ok" and not ps["result"]["ok"]:
+        log("plan space: a case differs from its reference, failed or raced (details in gpu_check.json)")
+        return 1
     return 1 if failed else 0
 
 

@@ -1,5 +1,9 @@
 """`benchmarks/gpu_check.py --dry-run`: every section runs on the CPU with tiny configs, writes its JSON, Markdown and
-measured hardware profile, and the profile plans with `lazytrain plan --hardware path.json`."""
+measured hardware profile, and the profile plans with `lazytrain plan --hardware path.json`.
+
+The plan-space section (every case against its keep-all, no-overlap reference, cases on the simulated asynchronous
+engine) has its own runs: a fast subset of two cases, and every case with the sanitizer's child process (slow). The
+full dry run (all sections, ~60-90 s here) is marked slow."""
 
 from __future__ import annotations
 
@@ -26,7 +30,7 @@ def dry_run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--dry-run", "--out", str(out)],
+        [sys.executable, SCRIPT, "--dry-run", "--skip-plan-space", "--out", str(out)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -37,6 +41,7 @@ def dry_run(tmp_path_factory):
     return proc, out, wall
 
 
+@pytest.mark.slow
 def test_dry_run_finishes_ok_within_limit(dry_run):
     proc, _, wall = dry_run
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -49,6 +54,7 @@ def test_dry_run_finishes_ok_within_limit(dry_run):
     assert any(line.startswith("optimizer (host CPU,") for line in tail[summary:])
 
 
+@pytest.mark.slow
 def test_json_sections_and_runs(dry_run):
     _, out, _ = dry_run
     report = json.loads((out / "gpu_check.json").read_text())
@@ -97,6 +103,7 @@ def test_json_sections_and_runs(dry_run):
     assert report["summary"] and report["elapsed_s"] > 0
 
 
+@pytest.mark.slow
 def test_markdown_table(dry_run):
     _, out, _ = dry_run
     md = (out / "gpu_check.md").read_text()
@@ -105,6 +112,7 @@ def test_markdown_table(dry_run):
     assert "## Parity (bf16)" in md
 
 
+@pytest.mark.slow
 def test_measured_profile_loads_and_plans(dry_run):
     _, out, _ = dry_run
     path = str(out / "measured_profile.json")
@@ -123,3 +131,79 @@ def test_measured_profile_loads_and_plans(dry_run):
     got = json.loads(proc.stdout)
     assert got["plan"]["hardware"] == "measured-cpu"
     assert got["predicted"]["step_time_s"] > 0
+
+
+# ---------------------------------------------------------------------------------------------------------- plan space
+def run_plan_space(out, cases: list[str], sanitizer: bool):
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, SCRIPT, "--dry-run", "--only-plan-space", "--plan-space-cases", ",".join(cases)]
+    cmd += ["--out", str(out)] + ([] if sanitizer else ["--no-sanitizer"])
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=600)
+    report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").exists() else None
+    return proc, report
+
+
+def check_plan_space(proc, report, cases: list[str], sanitizer: bool) -> None:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    sec = report["sections"]["plan_space"]
+    assert sec["status"] == "ok", sec.get("traceback")
+    res = sec["result"]
+    assert res["reference_deterministic"] is True  # the CPU is deterministic: every case must be bit-exact
+    assert sorted(res["cases"]) == sorted(cases)
+    lines = proc.stdout.splitlines()
+    header = next(i for i, line in enumerate(lines) if line.split()[:2] == ["case", "ok"])
+    rows = {line.split()[0]: line.split() for line in lines[header + 1 : header + 1 + len(cases)]}
+    assert sorted(rows) == sorted(cases), lines[header : header + 1 + len(cases)]
+    for name in cases:
+        row = res["cases"][name]
+        assert row["status"] == "ok", row.get("traceback")
+        cmp = row["vs_reference"]
+        assert row["ok"] and cmp["bit_exact"], (name, cmp)
+        assert cmp["losses_compared"] == res["sizes"]["steps"] * row["gradient_accumulation"]
+        assert row["check"] == "bit-exact"
+        assert row["step_time_s"] > 0 and row["peak_device_bytes"] > 0
+        syncs = row["host_syncs_per_step"]
+        assert syncs is None or (len(syncs) == res["sizes"]["steps"] and all(n >= 0 for n in syncs))
+        assert rows[name][1] == "True" and rows[name][2] == "exact"
+        assert rows[name][5] == ("n/a" if syncs is None else f"{sorted(syncs)[len(syncs) // 2]:g}")
+    if "stream_embeddings" in cases:
+        plain = res["cases"]["stream_embeddings"]["vs_keep_all_without_stream_embeddings"]
+        assert plain["max_loss_rel_err"] <= 1e-4 and plain["weights_rel_l2"] <= 1e-4
+    san = res["sanitizer"]
+    if sanitizer:
+        # no CUDA here: the child runs every case without the sanitizer, and says so
+        assert san["enabled"] is False and "needs CUDA" in san["note"] and san["status"] == "ok", san
+        assert sorted(san["cases"]) == sorted(cases)
+        assert all(c["status"] == "ok" and not c["race"] for c in san["cases"].values()), san["cases"]
+    else:
+        assert san["status"] == "skipped"
+    assert any(line.startswith("plan space: ok") for line in lines)
+
+
+FAST_CASES = ["nvme", "block_recompute"]
+
+
+def test_plan_space_fast_subset(tmp_path):
+    """Two cases (NVMe tier with a recompute input on NVMe; block recompute), no sanitizer child: ~15 s."""
+    proc, report = run_plan_space(tmp_path, FAST_CASES, sanitizer=False)
+    check_plan_space(proc, report, FAST_CASES, sanitizer=False)
+
+
+@pytest.mark.slow
+def test_plan_space_every_case_and_sanitizer_child(tmp_path):
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from gpu_check import PLAN_SPACE_CASES
+
+    cases = list(PLAN_SPACE_CASES)
+    assert len(cases) == 8
+    proc, report = run_plan_space(tmp_path, cases, sanitizer=True)
+    check_plan_space(proc, report, cases, sanitizer=True)
+
+
+def test_plan_space_unknown_case_is_refused(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--only-plan-space", "--plan-space-cases", "default,fastest",
+         "--out", str(tmp_path)],
+        env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "fastest" in proc.stderr and "choose from" in proc.stderr
