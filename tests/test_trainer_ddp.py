@@ -65,7 +65,8 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, policy):
 # Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
 # (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of
 # the fp32 gradients differs (4 sequences per matmul vs 2, then the fp32 host reduction), amplified at most to one
-# quantisation step of the 8-bit moments; losses within rel 1e-5 (measured: equal to 1e-7).
+# quantisation step of the 8-bit moments; losses within rel 1e-5 (measured: losses within 1.0e-7 relative, weights
+# within 1.5e-6 absolute).
 LOSS_RTOL = 1e-5
 
 
