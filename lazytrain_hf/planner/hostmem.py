@@ -20,8 +20,10 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
   their copy landed], streaming/engine.py); bounded by `GRAD_STAGING_LAYERS` layers of gradients in the compute
   dtype;
 - ``resident``: host bytes of the parameters that are not streamed: their fp32 gradient copies the optimizer takes
-  at each step on CUDA (``4 * n``); on a CPU device the parameters, their gradients and the plan-resident layers'
-  dedicated slots live in host RAM too, and so do the streamed layers' slot pools (``device_on_host``);
+  at each step on CUDA (``4 * n``);
+- ``device_on_host``: on a CPU device, device memory is host memory: the resident parameters and their gradients,
+  the slot pools and dedicated slots, one streamed embedding / head transient slot, and one layer's device gradients
+  on their way to the accumulators;
 - ``checkpoint``: the transient of a save, written layer by layer from the host store (Note: [Checkpoints are
   streamed from the host store], training/checkpoints.py): at most one unit's tensors materialised at once.
 
@@ -148,7 +150,7 @@ def host_footprint(
     """
     fp = HostFootprint(activations=int(pinned_activation_bytes))
     cpu = device_type == "cpu"
-    max_unit, max_grad_compute = 0, 0
+    max_unit, max_grad_compute, transient = 0, 0, 0
     slot_bytes: dict[str, int] = {}
     for u in units:
         trainable = [n for n, _, t in u.tensors if t]
@@ -165,6 +167,8 @@ def host_footprint(
                 nb = _align(lay.compute_bytes, ALIGN_BYTES)
                 if u.plan_resident:
                     fp.device_on_host += nb  # its dedicated slot
+                elif u.kind in ("embed", "head"):
+                    transient = max(transient, nb)  # Note: [Transient slots are stream-ordered allocations]
                 else:
                     slot_bytes[u.kind] = max(slot_bytes.get(u.kind, 0), nb)
             continue
@@ -182,6 +186,9 @@ def host_footprint(
             max_unit = max(max_unit, n * cdt.itemsize)
     if cpu and pool_slots:
         fp.device_on_host += sum(slot_bytes.get(k, 0) * c for k, c in pool_slots.items())
+    if cpu:
+        fp.device_on_host += transient  # one streamed embedding / head unit bound at a time
+        fp.device_on_host += max_grad_compute  # one layer's device gradients until they reach the accumulators
     if gradient_accumulation_steps > 1:
         fp.staging = GRAD_STAGING_LAYERS * max_grad_compute
     fp.checkpoint = max_unit

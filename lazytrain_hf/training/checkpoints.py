@@ -563,7 +563,11 @@ def _saved_names(model) -> set[str]:
     out, as `save_pretrained` leaves them out)."""
     from transformers.modeling_utils import remove_tied_weights_from_state_dict
 
-    names = set(remove_tied_weights_from_state_dict(model.state_dict(), model))
+    # on meta tensors (tied weights found by parameter identity): with real tensors it clones every parameter that
+    # shares a storage without being tied, i.e. every view of the host store (Note: [Checkpoints are streamed from
+    # the host store])
+    meta = {n: torch.empty(t.shape, dtype=t.dtype, device="meta") for n, t in model.state_dict().items()}
+    names = set(remove_tied_weights_from_state_dict(meta, model))
     return names - set(model._keys_to_ignore_on_save or ())
 
 
