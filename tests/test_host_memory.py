@@ -59,6 +59,37 @@ def _resident_masters(handle) -> int:
     return n
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_one_arena_sized_by_the_footprint_holds_the_store(dtype):
+    """`HostStore.reserve(fp.pinned_bytes)`: every compute copy and gradient accumulator is a view of one block
+    (one pinned registration on CUDA, no rounding), bit-equal to the per-buffer store, and the block is used up to
+    its last alignment padding."""
+    from lazytrain_hf.streaming.store import ALIGN_BYTES, HostStore
+
+    model = tiny_model("qwen3").to(dtype)
+    plan = Plan.default(4, ["full_attention"] * 4)
+    fp = hostmem.run_footprint(model, plan, device="cpu")
+    names = {id(p): n for n, p in model.named_parameters()}
+    layers = [[(names[id(p)], p) for p in layer.parameters()] for layer in model.model.layers]
+    plain = HostStore()
+    for i, ps in enumerate(layers):
+        plain.add_layer(i, "full_attention", ps)
+    arena_store = HostStore()
+    arena = arena_store.reserve(fp.pinned_bytes)
+    for i, ps in enumerate(layers):
+        arena_store.add_layer(i, "full_attention", ps)
+    block = arena.block.untyped_storage().data_ptr()
+    for i, ls in arena_store.layers.items():
+        ref = plain.layers[i]
+        for a, b in ((ls.compute_bytes, ref.compute_bytes), (ls.grad, ref.grad)):
+            assert a.untyped_storage().data_ptr() == block and torch.equal(a, b)
+        if ref.master is not None:
+            assert torch.equal(ls.master, ref.master)
+    assert fp.pinned_bytes - ALIGN_BYTES < arena.used <= fp.pinned_bytes
+    with pytest.raises(ValueError, match="cannot hold"):
+        arena.carve(fp.pinned_bytes, torch.uint8)
+
+
 def test_check_host_memory_counts_every_term_and_names_the_budget():
     model = tiny_model("qwen3")
     fp = planning.host_footprint(None, model)

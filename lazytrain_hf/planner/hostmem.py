@@ -90,13 +90,23 @@ class HostFootprint:
         """Peak host bytes over a checkpoint save (after a step): `total` without staging, plus the save transient."""
         return self.total - self.staging + self.checkpoint
 
+    # the pinned part, set by `host_footprint`: compute copies + gradient accumulators (their layout sizes, each
+    # rounded to ALIGN_BYTES as `PinnedArena.carve` places them) + pinned activation buffers
+    pinned_store: int = 0
+
+    @property
+    def pinned_bytes(self) -> int:
+        """Bytes of the one pinned arena of a CUDA run (`HostStore.reserve`): the store's pinned buffers and the
+        pinned activation buffers."""
+        return self.pinned_store + self.activations
+
     def as_dict(self) -> dict[str, int]:
         return {**asdict(self), "state": self.state, "total": self.total, "save_peak": self.save_peak}
 
     def describe(self) -> str:
         from ..units import format_bytes
 
-        parts = [f"{TERM_NAMES[k]} {format_bytes(v)}" for k, v in asdict(self).items() if v]
+        parts = [f"{TERM_NAMES[k]} {format_bytes(v)}" for k, v in asdict(self).items() if v and k in TERM_NAMES]
         return ", ".join(parts) or "nothing"
 
 
@@ -161,6 +171,7 @@ def host_footprint(
             fp.compute += lay.compute_bytes
             fp.masters += lay.master_bytes
             fp.grads += lay.grad_bytes
+            fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
             max_unit = max(max_unit, lay.compute_bytes)
             max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
             if cpu:

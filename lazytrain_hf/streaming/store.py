@@ -142,6 +142,34 @@ def pinned_zeros(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Ten
     return t
 
 
+class PinnedArena:
+    """One host block of exactly ``nbytes`` (page-locked when ``pin``: Note: [Pinned blocks are registered, not
+    cached]), carved into aligned views: the compute copies and gradient accumulators of every layer (and, through
+    `carve`, any other pinned buffer such as the activation tier's) come out of a single registration with no
+    rounding waste. Sized by the plan before the store is built (`lazytrain_hf.planner.hostmem`:
+    ``HostFootprint.pinned_bytes``)."""
+
+    def __init__(self, nbytes: int, pin: bool):
+        self._pins: list = []
+        self.block = pinned_zeros(int(nbytes), torch.uint8, pin, self._pins)
+        self.used = 0
+
+    def __repr__(self) -> str:
+        return f"PinnedArena(nbytes={self.block.numel()}, used={self.used}, pinned={bool(self._pins)})"
+
+    def carve(self, n: int, dtype: torch.dtype) -> torch.Tensor:
+        """A zeroed view of ``n`` elements of ``dtype`` at the next `ALIGN_BYTES` boundary."""
+        start = _align(self.used)
+        nbytes = n * dtype.itemsize
+        if start + nbytes > self.block.numel():
+            raise ValueError(
+                f"PinnedArena of {self.block.numel()} bytes cannot hold {nbytes} more bytes at offset {start}: it was "
+                "sized for another model or plan; size it with hostmem.HostFootprint.pinned_bytes for this one."
+            )
+        self.used = start + nbytes
+        return self.block.narrow(0, start, nbytes).view(dtype).zero_()
+
+
 class DiskSource:
     """Where the weights of parameters left on disk are read from (`lazytrain_hf.from_pretrained`).
 
@@ -289,6 +317,19 @@ class HostStore:
     def __init__(self, pin_memory: bool = False):
         self.pin_memory = pin_memory
         self.layers: dict[int, LayerStore] = {}
+        self.arena: PinnedArena | None = None
+
+    def reserve(self, nbytes: int) -> PinnedArena:
+        """Allocate the pinned arena the layers added next carve their compute copy and gradient accumulators from
+        (one registration for the whole store instead of one per buffer); ``nbytes`` from
+        ``hostmem.HostFootprint.pinned_bytes``. Without it each buffer is its own exact-size block."""
+        self.arena = PinnedArena(nbytes, self.pin_memory)
+        return self.arena
+
+    def _pinned(self, n: int, dtype: torch.dtype, pins: list) -> torch.Tensor:
+        if self.arena is not None:
+            return self.arena.carve(n, dtype)
+        return pinned_zeros(n, dtype, self.pin_memory, pins)
 
     def __repr__(self) -> str:
         hb = self.host_bytes()
@@ -342,18 +383,17 @@ class HostStore:
             )
         pins: list = []
         n_train, aliased = layout.train_elems, layout.aliased
-        pin = self.pin_memory
         if aliased:
-            compute = pinned_zeros(layout.compute_bytes // 4, torch.float32, pin, pins)
+            compute = self._pinned(layout.compute_bytes // 4, torch.float32, pins)
             compute_bytes = compute.view(torch.uint8)
             master = compute.narrow(0, 0, n_train) if n_train else None
         else:
             single = {e.dtype for e in entries}
-            compute_bytes = pinned_zeros(layout.compute_bytes, torch.uint8, pin, pins)
+            compute_bytes = self._pinned(layout.compute_bytes, torch.uint8, pins)
             compute = compute_bytes.view(next(iter(single))) if len(single) == 1 else None
             # the masters are read and written by the host optimizer only: pageable
             master = torch.zeros(n_train, dtype=torch.float32) if n_train else None
-        grad = pinned_zeros(n_train, torch.float32, pin, pins) if n_train else None
+        grad = self._pinned(n_train, torch.float32, pins) if n_train else None
         ls = LayerStore(
             index=index,
             kind=kind,
