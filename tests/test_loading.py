@@ -79,6 +79,28 @@ def test_moe_experts_are_converted_when_read(tmp_path):
     assert names and all(torch.equal(got[n], ref[n]) for n in names)
 
 
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
+def test_resume_points_the_disk_weights_at_the_checkpoint(tmp_path, model_type):
+    """A resume of a model still on disk reads the checkpoint's weights (converted as a resume converts them), not
+    the ones it was loaded from, and reads no layer before the store is built."""
+    from lazytrain_hf.training.checkpoints import load_checkpoint_weights
+
+    tiny_model(model_type, seed=1).save_pretrained(tmp_path / "base")
+    trained = tiny_model(model_type, seed=5)
+    trained.save_pretrained(tmp_path / "checkpoint-2")
+    lm = lazytrain_hf.from_pretrained(str(tmp_path / "base"))
+    on_disk = weights_on_disk(lm)
+    assert load_checkpoint_weights(str(tmp_path / "checkpoint-2"), lm)
+    assert weights_on_disk(lm) == on_disk  # nothing read yet
+    names = {id(p): n for n, p in lm.named_parameters()}
+    store = HostStore()
+    for i, layer in enumerate(lm.model.layers):
+        store.add_layer(i, "x", [(names[id(p)], p) for p in layer.parameters()])
+    want = dict(trained.named_parameters())
+    bad = [n for n, p in lm.named_parameters() if not torch.equal(p, want[n])]
+    assert not bad, bad[:5]
+
+
 def test_bad_paths_raise_clear_errors(tmp_path):
     with pytest.raises(ValueError, match="is not a directory"):
         lazytrain_hf.from_pretrained(str(tmp_path / "missing"))

@@ -466,6 +466,9 @@ def load_checkpoint_weights(checkpoint_dir: str, model) -> bool:
     exact there. Raises ValueError where the weights do not cover the model (`check_weights_cover`) or a file cannot
     be read."""
     files = _weight_files(checkpoint_dir)
+    if files is not None and _is_pretrained(model) and _on_disk(model):
+        _point_at_checkpoint(checkpoint_dir, model)
+        return True
     if files is None or not _is_pretrained(model) or not _weight_transforms(model):
         return False
     try:
@@ -477,6 +480,42 @@ def load_checkpoint_weights(checkpoint_dir: str, model) -> bool:
     if problem is not None:
         raise ValueError(problem)
     return True
+
+
+def _on_disk(model) -> bool:
+    from ..streaming.store import has_disk_source
+
+    return any(has_disk_source(p) for p in model.parameters())
+
+
+def _point_at_checkpoint(checkpoint_dir: str, model) -> None:
+    """Resume a model whose layers are still on disk (`lazytrain_hf.from_pretrained`): its meta parameters are
+    pointed at the checkpoint's files (read layer by layer when the host store is built, converted as a resume
+    converts them), the loaded ones are overwritten in place from it; nothing else is read."""
+    from ..loading import ShardedWeights
+    from ..streaming.store import DISK_ATTR, DiskSource, disk_source
+
+    check_weights_cover(checkpoint_dir, model)
+    try:
+        weights = ShardedWeights(checkpoint_dir, model)
+    except Exception as e:
+        raise ValueError(checkpoint_error(checkpoint_dir, e)) from e
+    source = DiskSource(weights.read, description=checkpoint_dir)
+    loaded = []
+    for name, p in model.named_parameters():
+        ds = disk_source(p)
+        if ds is not None:
+            setattr(p, DISK_ATTR, (source, ds[1]))
+        else:
+            loaded.append((name, p))
+    with torch.no_grad():
+        for name, p in loaded:
+            if name in weights.keys_of:
+                p.copy_(weights.read([name])[name])
+        for name, b in model.named_buffers():
+            if name in weights.keys_of:
+                b.copy_(weights.read([name])[name])
+    model.lazytrain_weights = weights
 
 
 def check_weights_cover(checkpoint_dir: str, model) -> None:
