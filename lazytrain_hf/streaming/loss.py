@@ -69,17 +69,19 @@ class _ChunkedCausalLMLoss(torch.autograd.Function):
         B, T, D = hidden.shape
         V = weight.shape[0]
         dev = hidden.device
-        # Same shift as ForCausalLMLoss: pad with ignore_index, drop the first label.
-        target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1).to(dev)
+        # Same shift as ForCausalLMLoss: pad with ignore_index, drop the first label. Labels (and a host
+        # num_items_in_batch) still on the host cross without a host synchronisation: non_blocking from pageable
+        # memory is staged at once, where a blocking copy would first wait for every queued kernel.
+        target = F.pad(labels, (0, 1), value=ignore_index)[..., 1:].reshape(-1).to(dev, non_blocking=True)
         h = hidden.reshape(-1, D)
         N = h.shape[0]
         valid = target != ignore_index
         if num_items is None:
             divisor = valid.sum().to(torch.float32)
         elif isinstance(num_items, torch.Tensor):
-            divisor = num_items.to(dev, torch.float32)
+            divisor = num_items.to(dev, torch.float32, non_blocking=True)
         else:
-            divisor = torch.tensor(float(num_items), dtype=torch.float32, device=dev)
+            divisor = torch.full((), float(num_items), dtype=torch.float32, device=dev)  # a fill: no copy
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         need_b = bias is not None and ctx.needs_input_grad[2]
         live = _Live()
