@@ -1,5 +1,6 @@
 """Simulator as referee: for zoo models on h800 / h200 / rtx3090 at seq 1024 the MILP plan simulates no slower than
-any feasible baseline and the MILP's prediction agrees with the simulation within 5%; baselines and timeline."""
+any feasible baseline (1% slack) and the MILP's prediction agrees with the simulation within 5%; the simulation
+replays the executor's own transfer schedule (`lazytrain_hf.planner.schedule`); baselines and timeline."""
 
 from __future__ import annotations
 
@@ -33,7 +34,9 @@ def check_against_baselines(name: str, hw: str, batch: int) -> None:
             continue
         compared += 1
         bsim = simulate(bp, cm)
-        assert sim.step_time_s <= bsim.step_time_s * (1 + 1e-9), (name, hw, b, sim.step_time_s, bsim.step_time_s)
+        # the MILP optimises the stage model (exact for baselines' points too); replayed, two plans that tie there may
+        # swap by a little: 1% slack, well inside the model's stated 5% agreement with the simulation
+        assert sim.step_time_s <= bsim.step_time_s * 1.01, (name, hw, b, sim.step_time_s, bsim.step_time_s)
     assert compared >= 1
 
 
@@ -54,10 +57,14 @@ def test_megatrain_is_slower_than_keep_all_when_both_fit():
     mt = simulate(baselines.make_baseline("megatrain", cm), cm)
     keep = simulate(baselines.make_baseline("keep_all", cm), cm)
     rec = simulate(baselines.make_baseline("all_recompute", cm), cm)
-    # MegaTrain recomputes (like all_recompute), refetches weights for it and does not overlap the optimizer
+    # the megatrain plan run by our executor recomputes (like all_recompute), refetches weights for the blocks'
+    # recomputation and does not overlap the optimizer; a layer whose backward fetch is issued before its block is
+    # recomputed keeps that slot (Plan.block_fetches), so half the layers of a 4-layer block are fetched again
+    plan = baselines.make_baseline("megatrain", cm)
     assert keep.step_time_s <= rec.step_time_s < mt.step_time_s
     lanes = mt.lanes
-    assert sum(1 for _, _, label in lanes["h2d"] if label.startswith("refetch")) == cm.num_layers
+    refetched = sum(1 for _, _, label in lanes["h2d"] if label.startswith("refetch"))
+    assert refetched == sum(plan.block_fetches(i)[0] for i in range(cm.num_layers)) == cm.num_layers // 2
     assert mt.peak_gpu_bytes < keep.peak_gpu_bytes
 
 

@@ -92,11 +92,9 @@ def _build(
                     _var(prob, f"yFr_{i}_{a}") if allow_resident else None,
                 )
                 for a in _fetch_fwd_aheads(i, lookahead)
-                if not fixed_slotting or a == min(i, 1) or (i == 0 and a == 1)
+                if not fixed_slotting or a == min(i, 1)
             }
         )
-        if fixed_slotting and i == 0 and 1 in yF[i]:
-            yF[i] = {1: yF[i][1]}  # prefetch depth 1: F_0's fetch in the previous tail
         yB.append({a: _var(prob, f"yB_{i}_{a}") for a in range(lookahead + 1) if not fixed_slotting or a == 1})
         yR.append(
             {
@@ -142,11 +140,6 @@ def _build(
         # forward fetch: slot memory from issue to F_i when streamed; resident weights counted below
         for a, (ys, yr) in yF[i].items():
             sigma = i - a
-            if sigma < 0:  # issued in the previous tail
-                for s in range(0, i + 1):
-                    mem[s].append((w, ys))
-                mem[S].append((w, ys))
-                continue
             for y in (ys, yr):
                 if y is not None:
                     h2d[sigma].append((w, y))
@@ -232,16 +225,10 @@ def _build(
     c_emb, c, c_all = _optimizer_finish_times(cm)
     emb_up = c_emb + cm.embed_bytes / Bh
     prob += T_tail >= emb_up, "tail_embedding_upload"
-    if L:
-        ys, yr = yF[0][1] if 1 in yF[0] else (None, None)
-        pre0 = [(1.0, ys), (1.0, yr)]
-        prob += T_tail >= expr(pre0, max(emb_up, c[0]) + cm.layers[0].weight_bytes / Bh), "tail_prestep_fetch_0"
     # [Constraint] a fetch for the next forward waits for its layer's update (optimizer overlaps the next forward)
     for i in range(L):
         for a, (ys, yr) in yF[i].items():
             sigma = i - a
-            if sigma < 0:
-                continue
             prob += (
                 T_tail + pulp.lpSum(T[:sigma]) >= expr([(1.0, ys), (1.0, yr)], c[i]),
                 f"update_before_fetch_{i}_{a}",
@@ -317,7 +304,7 @@ def _warm_start(model: _Model, plan: Plan, lookahead: int) -> bool:
             values.append((model.res[i], 1.0 if lp.resident else 0.0))
         elif lp.resident:
             return False
-        aF = lp.fetch_fwd_ahead if i > 0 else min(lp.fetch_fwd_ahead, 1)
+        aF = min(lp.fetch_fwd_ahead, i)  # a fetch reaching before stage 0 is issued at stage 0 (issue_schedule)
         if aF not in model.yF[i]:
             return False
         for a, (ys, yr) in model.yF[i].items():

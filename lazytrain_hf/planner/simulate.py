@@ -1,26 +1,26 @@
-"""Discrete-event replay of a plan: the referee for the MILP's predictions.
+"""Discrete-event replay of a plan: the executor's own transfer schedule on lanes, the referee of the stage model.
 
-Written from the executor's behaviour, not from the MILP's constraints: five FIFO lanes (``compute``, ``h2d``,
-``d2h``, ``nvme``, ``cpu`` optimizer) run tasks in program order; a task starts when its lane is free, when it has
-been issued and when the tasks it depends on have finished. Stages do not synchronise the copy lanes: a transfer
-issued early simply runs while compute proceeds, and a compute task waits only for the data it reads.
+The transfers are `lazytrain_hf.planner.schedule.step_transfers` (the list the executor's trace is checked against,
+byte for byte), not a reading of the MILP's constraints; this module only adds time. Five FIFO lanes (``compute``,
+``h2d``, ``d2h``, ``nvme``, ``cpu`` optimizer) run tasks in program order; a task starts when its lane is free and
+what it depends on has finished:
 
-- A stage begins when the previous compute ends (the executor's pre-forward / pre-backward hook); it then issues
-  the transfers the plan slots there, in the order of the stage that needs them.
-- Device memory is allocated when a transfer is issued (its slot is reserved) or a compute starts (activations,
-  working set, gradients) and released when the last reader ends: a weight slot after the compute that used it,
-  an offloaded tensor after its D2H copy, a gradient after its D2H copy. At equal times, releases go first.
-- Offloads (D2H) start when the forward that produced them ends; an NVMe write follows its D2H, an NVMe read is
-  issued one stage before the reload that needs it.
-- Note: [Bounded staging buffers] the executor drains gradients and offloaded activations through two buffers
-  each: ``B_i`` starts only when the gradients of ``B_{i+2}`` (or of the head, for ``B_{L-2}``) have left the
-  device, and ``F_i`` only when the offload of ``F_{i-2}`` has, so a slow copy lane throttles compute instead of
-  piling tensors up on the device.
-- The CPU optimizer updates layers in order (embedding, layers, lm_head) once the global gradient norm is known
-  (end of backward) and each layer's gradients are on the host. The next step's fetch of layer ``i`` waits for the
-  update of layer ``i``; with ``optimizer_overlap=False`` the next step starts only after the whole update.
+- a stage begins when the previous compute ends (the executor's pre-forward / backward-stage hook) and issues the
+  transfers the schedule puts there, in order;
+- a forward fetch of layer ``i`` waits for the previous step's update of layer ``i`` (Note: [Update before fetch]
+  in training/updater.py), the first forward for the update of the parameters that are not streamed;
+- a layer's compute waits for its weights (the fetch issued for that stage, or the one it kept bound), its
+  reloads and, for a block's top layer, the block's recomputation fetches; offloads (D2H, then the NVMe write) start
+  when the forward that produced them ends, gradients when the backward ends; a reload waits for its offload
+  (and NVMe read);
+- the CPU optimizer starts once backward ended and every gradient is on the host (the global norm), updates the
+  parameters that are not streamed first, then the units in order, each followed by its upload (resident slots);
+  with ``optimizer_overlap`` the next step starts at once, else after the last update and upload.
+- On a profile with ``serial_lanes`` (the CPU device: copies are memcpy on the cores that compute) every transfer
+  runs on the compute lane.
 
-Three steps are replayed; the step time is the period of the middle one (end of ``B_0`` to end of ``B_0``).
+Device memory is allocated when a transfer is issued or a compute starts and released when the last reader ends.
+Three steps are replayed; the step time is the period of the last one (end of ``B_0`` to end of ``B_0``).
 """
 
 from __future__ import annotations
@@ -30,8 +30,10 @@ from typing import Any
 
 from .costmodel import CostModel
 from .plan import Plan
+from .schedule import sizes_from_cost_model, step_transfers
 
 LANES = ("compute", "h2d", "d2h", "nvme", "cpu")
+_LANE_OF = {"h2d": "h2d", "d2h": "d2h", "nvme_read": "nvme", "nvme_write": "nvme"}
 
 
 @dataclass
@@ -69,17 +71,48 @@ class SimResult:
 
 
 class _Lanes:
+    """Lanes that run each task in the first gap at or after the time it is ready.
+
+    Tasks are added in the replay's program order, which is not the order they are issued in: the optimizer's
+    uploads of a step are replayed before the next step's fetches although most of them are issued later. A copy
+    lane runs copies in the order they are issued (a CUDA stream is FIFO), and a task is issued when it is ready, so
+    placing each task in the earliest free gap from its ready time is that order."""
+
     def __init__(self) -> None:
-        self.free = {lane: 0.0 for lane in LANES}
+        self.busy: dict[str, list[tuple[float, float]]] = {lane: [] for lane in LANES}
         self.log: list[tuple[str, float, float, str]] = []
 
     def run(self, lane: str, ready: float, duration: float, label: str) -> tuple[float, float]:
-        start = max(ready, self.free[lane])
+        import bisect
+
+        iv = self.busy[lane]
+        start = ready
+        k = bisect.bisect_left(iv, (ready, ready))
+        if k > 0 and iv[k - 1][1] > start:
+            start = iv[k - 1][1]
+        while k < len(iv) and iv[k][0] < start + duration:
+            start = max(start, iv[k][1])
+            k += 1
         end = start + duration
-        self.free[lane] = end
         if duration > 0:
+            iv.insert(k, (start, end))
             self.log.append((lane, start, end, label))
         return start, end
+
+
+def _label(what: str, layer: int | None, L: int) -> str:
+    name = {None: "resident", -1: "emb", L: "head"}.get(layer, str(layer))
+    return {
+        "fetch_fwd": f"fetch F{name}",
+        "fetch_bwd": f"fetch B{name}",
+        "fetch_rec": f"refetch {name}",
+        "offload": f"offload {name}",
+        "spill": f"write {name}",
+        "unspill": f"read {name}",
+        "reload": f"reload {name}",
+        "grad": f"grad {name}",
+        "upload": f"upload {name}",
+    }[what]
 
 
 def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
@@ -89,233 +122,190 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
     plan.validate(L)
     if steps < 2:
         raise ValueError(f"steps={steps} must be >= 2 (the step time is a period between two steps).")
-    Bh, Bd, Bnr, Bnw = cm.h2d, cm.d2h, cm.nvme_r, cm.nvme_w
-    lanes = _Lanes()
-    mem_events: list[tuple[float, int]] = []
-    host_events: list[tuple[float, int]] = []
-    fixed = cm.fixed_device_bytes
-    K = plan.checkpoint_every
-
-    def alloc(t: float, nbytes: float) -> None:
-        if nbytes:
-            mem_events.append((t, int(nbytes)))
-
-    def free(t: float, nbytes: float) -> None:
-        if nbytes:
-            mem_events.append((t, -int(nbytes)))
-
-    # ---- what each stage issues (the executor's reading of the plan)
-    sF = list(range(L))
-    sB = [2 * L - i for i in range(L)]
-    issue: dict[int, list[tuple[int, str, int]]] = {}
-    prestep: list[int] = []
-    reload_stage: dict[int, int] = {}
-    for lp in plan.layers:
-        i = lp.index
-        off_tier = lp.tier
-        if lp.fetch_fwd_ahead > i:
-            prestep.append(i)
+    serial = bool(getattr(cm, "serial_lanes", False))
+    bw = {"h2d": cm.h2d, "d2h": cm.d2h, "nvme_read": cm.nvme_r, "nvme_write": cm.nvme_w}
+    transfers = step_transfers(plan, sizes_from_cost_model(cm))
+    issued: dict[int, list] = {}
+    after_compute: dict[tuple[int, str], list] = {}  # transfers that start when a compute ends
+    per_step = [t for t in transfers if t.per_step]
+    for t in transfers:
+        if t.per_step:
+            continue
+        if t.what in ("offload", "spill"):
+            after_compute.setdefault((t.layer, "F"), []).append(t)
+        elif t.what == "grad":
+            key = ("H" if t.layer == L else "emb") if t.layer in (-1, L) else "B"
+            after_compute.setdefault((t.layer, key), []).append(t)
         else:
-            issue.setdefault(i - lp.fetch_fwd_ahead, []).append((sF[i], "fetch_fwd", i))
-        if not lp.resident:
-            issue.setdefault(max(0, sB[i] - lp.fetch_bwd_ahead), []).append((sB[i], "fetch_bwd", i))
-        if off_tier != "gpu" and K == 1:
-            earliest = i + 2 if off_tier == "cpu" else i + 4  # after the D2H (and the NVMe write)
-            s = min(sB[i], max(sB[i] - lp.reload_ahead, earliest))
-            reload_stage[i] = s
-            issue.setdefault(s, []).append((sB[i], "reload", i))
-    if cm.head_bytes and L:
-        issue.setdefault(L - 1, []).append((L, "head_upload", -1))
-    for s in issue:
-        issue[s].sort()
+            issued.setdefault(t.stage, []).append(t)
+    K = plan.checkpoint_every
+    lanes = _Lanes()
+    mem: list[tuple[float, int]] = []
+    host: list[tuple[float, int]] = []
 
-    def offloaded(i: int) -> float:
-        lp = plan.layers[i]
+    def alloc(tm: float, n: float) -> None:
+        if n:
+            mem.append((tm, int(n)))
+
+    def free(tm: float, n: float) -> None:
+        if n:
+            mem.append((tm, -int(n)))
+
+    def move(t, ready: float) -> tuple[float, float]:
+        lane = "compute" if serial else _LANE_OF[t.lane]
+        return lanes.run(lane, ready, t.nbytes / bw[t.lane], _label(t.what, t.layer, L))
+
+    def held(i: int) -> int:
+        """Device bytes layer i leaves after its forward until its backward (or its offload)."""
+        lp, lc = plan.layers[i], cm.layers[i]
         if K > 1:
-            return 0
-        if lp.policy in ("offload_cpu", "offload_nvme"):
-            return cm.layers[i].saved_bytes
-        if lp.policy == "recompute" and lp.input_tier != "gpu":
-            return cm.layers[i].input_bytes
-        return 0
+            return lc.input_bytes if i % K == 0 else 0
+        return lc.saved_bytes if lp.policy != "recompute" else lc.input_bytes
 
-    prev_opt: dict[Any, float] = {}  # the previous step's optimizer end per layer ("emb", "head", i)
-    b0_end: list[float] = []
-    step_begin = 0.0
-    pre_done: dict[int, float] = {}  # pre-step fetch completion (issued in the previous tail)
-    for i in prestep:  # the first step has no previous tail: issue at time 0
-        _, e = lanes.run("h2d", 0.0, cm.layers[i].weight_bytes / Bh, f"fetch F{i}")
-        pre_done[i] = e
-        if not plan.layers[i].resident:
-            alloc(0.0, cm.layers[i].weight_bytes)
-    alloc(0.0, fixed)
+    alloc(0.0, cm.fixed_device_bytes)
     for lp in plan.layers:
         if lp.resident:
             alloc(0.0, cm.layers[lp.index].weight_bytes)
-
+    prev_opt: dict[Any, float] = {}
+    b0_end: list[float] = []
+    step_begin = 0.0
     for _ in range(steps):
-        w_ready: dict[tuple[str, int], float] = {}  # ("F"/"B", i) -> weights on the device
-        reload_ready: dict[int, float] = {}
-        d2h_done: dict[int, float] = {}
-        nvme_write_done: dict[int, float] = {}
-        nvme_read_done: dict[int, float] = {}
-        grad_on_host: dict[Any, float] = {}
-        head_ready = 0.0
-        for i in prestep:
-            w_ready[("F", i)] = pre_done.get(i, 0.0)
-        t = step_begin  # compute end of the previous stage
-        stage_names = [f"F{i}" for i in range(L)] + ["H"] + [f"B{i}" for i in reversed(range(L))]
+        land: dict[tuple[str, int | None], float] = {}
+        done: dict[tuple[str, int | None], float] = {}
+        t = step_begin
+        grads_down = t
         for s in range(2 * L + 1):
             begin = t
-            # NVMe reads one stage ahead of the reloads issued in the next stage
-            for _need, what, i in issue.get(s + 1, []):
-                if what == "reload" and plan.layers[i].tier == "nvme":
-                    _, e = lanes.run("nvme", max(begin, nvme_write_done.get(i, 0.0)), offloaded(i) / Bnr, f"read {i}")
-                    nvme_read_done[i] = e
-            for _need, what, i in issue.get(s, []):
-                if what in ("fetch_fwd", "fetch_bwd"):
-                    lc = cm.layers[i]
-                    dep = prev_opt.get(i, 0.0) if what == "fetch_fwd" else 0.0
-                    _, e = lanes.run("h2d", max(begin, dep), lc.weight_bytes / Bh, f"fetch {what[6].upper()}{i}")
-                    w_ready[("F" if what == "fetch_fwd" else "B", i)] = e
-                    if not plan.layers[i].resident:
-                        alloc(begin, lc.weight_bytes)
-                elif what == "reload":
-                    dep = nvme_read_done.get(i, 0.0) if plan.layers[i].tier == "nvme" else d2h_done.get(i, 0.0)
-                    _, e = lanes.run("h2d", max(begin, dep), offloaded(i) / Bh, f"reload {i}")
-                    reload_ready[i] = e
-                    alloc(begin, offloaded(i))
-                    if plan.layers[i].tier == "cpu":
-                        host_events.append((e, -int(offloaded(i))))
-                else:  # head upload after its update
-                    _, e = lanes.run("h2d", max(begin, prev_opt.get("head", 0.0)), cm.head_bytes / Bh, "upload head")
-                    head_ready = e
-            name = stage_names[s]
-            if name == "H":
-                start, end = lanes.run("compute", max(begin, head_ready), cm.head_s, "head")
+            for tr in issued.get(s, []):
+                dep = begin
+                if tr.what == "fetch_fwd":
+                    dep = max(dep, prev_opt.get(tr.layer, 0.0))
+                elif tr.what == "unspill":
+                    dep = max(dep, done.get(("spill", tr.layer), 0.0))
+                elif tr.what == "reload":
+                    src = "unspill" if plan.layers[tr.layer].tier == "nvme" else "offload"
+                    dep = max(dep, land.get((src, tr.layer), done.get(("offload", tr.layer), 0.0)))
+                _, e = move(tr, dep)
+                land[(tr.what, tr.layer)] = e
+                if tr.lane == "h2d":
+                    alloc(begin, tr.nbytes)
+                if tr.what == "reload" and plan.layers[tr.layer].tier == "cpu":
+                    host.append((e, -tr.nbytes))
+            if s < L:  # ---- forward of layer s
+                i, lc, lp = s, cm.layers[s], plan.layers[s]
+                need = [land.get(("fetch_fwd", i), 0.0)]
+                if i == 0:
+                    need += [prev_opt.get("resident", 0.0), land.get(("fetch_fwd", -1), 0.0)]
+                if lp.resident:
+                    need.append(prev_opt.get(("upload", i), 0.0))
+                start, end = lanes.run("compute", max(begin, *need), lc.fwd_s, f"F{i}")
+                alloc(start, lc.ws_fwd_bytes + held(i))
+                free(end, lc.ws_fwd_bytes)
+                w = lc.weight_bytes if ("fetch_fwd", i) in land and not plan.keeps_bound_after_forward(i) else 0
+                free(end, w)
+                d_end = end
+                for tr in after_compute.get((i, "F"), []):
+                    if tr.what == "offload":
+                        _, d_end = move(tr, end)
+                        done[("offload", i)] = d_end
+                        free(d_end, held(i))
+                        if lp.tier == "cpu":
+                            host.append((d_end, tr.nbytes))
+                    else:
+                        _, we = move(tr, d_end)
+                        done[("spill", i)] = we
+                t = end
+                continue
+            if s == L:  # ---- head: final norm, lm_head, chunked loss forward and backward
+                start, end = lanes.run("compute", max(begin, land.get(("fetch_fwd", L), 0.0)), cm.head_s, "head")
                 alloc(start, cm.head_ws_bytes + cm.head_grad_bytes)
                 free(end, cm.head_ws_bytes)
-                _, e = lanes.run("d2h", end, cm.head_grad_bytes / Bd, "grad head")
-                free(e, cm.head_grad_bytes)
-                grad_on_host["head"] = e
+                for tr in after_compute.get((L, "H"), []):
+                    _, ge = move(tr, end)
+                    grads_down = max(grads_down, ge)
+                free(max(end, grads_down), cm.head_grad_bytes)
                 t = end
                 continue
-            i = int(name[1:])
-            lc = cm.layers[i]
-            lp = plan.layers[i]
-            if name[0] == "F":
-                # Note: [Bounded staging buffers]
-                ready = max(w_ready.get(("F", i), 0.0), d2h_done.get(i - 2, 0.0))
-                start, end = lanes.run("compute", max(begin, ready), lc.fwd_s, f"F{i}")
-                alloc(start, lc.ws_fwd_bytes)
-                free(end, lc.ws_fwd_bytes)
-                if not lp.resident:
-                    free(end, lc.weight_bytes)
-                if K > 1:
-                    if i % K == 0:
-                        alloc(start, lc.input_bytes)
-                elif lp.policy == "keep":
-                    alloc(start, lc.saved_bytes)
-                elif lp.policy == "recompute" and lp.input_tier == "gpu":
-                    alloc(start, lc.input_bytes)
-                else:
-                    nbytes = offloaded(i)
-                    alloc(start, nbytes)
-                    d_start, d_end = lanes.run("d2h", end, nbytes / Bd, f"offload {i}")
-                    free(d_end, nbytes)
-                    d2h_done[i] = d_end
-                    if lp.tier == "cpu":
-                        host_events.append((d_start, int(nbytes)))
-                    else:
-                        _, w_end = lanes.run("nvme", d_end, nbytes / Bnw, f"write {i}")
-                        nvme_write_done[i] = w_end
-                t = end
-                continue
-            # ---- backward of layer i
-            rec_start = begin
-            if K > 1 and (i == L - 1 or (i + 1) % K == 0):
-                # MegaTrain block recompute: fetch and re-run layers j..i (prefetch depth 1 among them)
-                j = i - (i % K)
-                block = list(range(j, i + 1))
-                _, fe = lanes.run("h2d", begin, cm.layers[j].weight_bytes / Bh, f"refetch {j}")
-                alloc(begin, cm.layers[j].weight_bytes)
-                tc = begin
-                for n, k in enumerate(block):
-                    cs, ce = lanes.run("compute", max(tc, fe), cm.layers[k].fwd_s, f"R{k}")
-                    if n + 1 < len(block):
-                        nk = block[n + 1]
-                        _, fe = lanes.run("h2d", cs, cm.layers[nk].weight_bytes / Bh, f"refetch {nk}")
-                        alloc(cs, cm.layers[nk].weight_bytes)
-                    alloc(cs, cm.layers[k].saved_bytes)
-                    free(ce, cm.layers[k].weight_bytes)
-                    tc = ce
-                rec_start = tc
-            needs = [w_ready.get(("B", i), 0.0) if not lp.resident else 0.0, reload_ready.get(i, 0.0)]
-            needs.append(grad_on_host.get(i + 2 if i + 2 < L else "head", 0.0) if i <= L - 2 else 0.0)
-            dur = lc.bwd_s + (lc.fwd_s if (K == 1 and lp.policy == "recompute") else 0.0)
-            start, end = lanes.run("compute", max([rec_start, *needs]), dur, f"B{i}")
-            alloc(start, lc.ws_bwd_bytes + lc.grad_bytes)
-            free(end, lc.ws_bwd_bytes)
+            i = 2 * L - s  # ---- backward of layer i (recomputation included)
+            lc, lp = cm.layers[i], plan.layers[i]
+            need = [land.get(("fetch_bwd", i), 0.0), land.get(("reload", i), 0.0)]
+            dur = lc.bwd_s
+            if K == 1 and lp.policy == "recompute":
+                dur += lc.fwd_s
+            extra = rec_slots = 0
+            if K > 1 and plan.block_top(i) == i:
+                block = [k for k in range(L) if plan.block_top(k) == i]
+                dur += sum(cm.layers[k].fwd_s for k in block)
+                need += [land.get(("fetch_rec", k), 0.0) for k in block]
+                extra = sum(cm.layers[k].saved_bytes for k in block)  # each freed by its layer's backward
+                rec_slots = sum(cm.layers[k].weight_bytes for k in block if ("fetch_rec", k) in land)
+            recomputes = lp.policy == "recompute"
+            start, end = lanes.run("compute", max(begin, *need), dur, f"B{i}")
+            alloc(start, lc.ws_bwd_bytes + lc.grad_bytes + extra + (lc.saved_bytes if recomputes and K == 1 else 0))
+            free(end, lc.ws_bwd_bytes + (lc.saved_bytes if recomputes else 0) + rec_slots)
+            if K == 1 and lp.tier == "gpu":
+                free(end, held(i))
+            elif K == 1:
+                free(end, _reloaded(cm, lp, i))
+            elif i % K == 0:
+                free(end, lc.input_bytes)
             if not lp.resident:
                 free(end, lc.weight_bytes)
-            # the layer's saved state is released at the end of its backward
-            if K > 1:
-                free(end, lc.saved_bytes + (lc.input_bytes if i % K == 0 else 0))
-            elif lp.policy == "keep":
-                free(end, lc.saved_bytes)
-            elif lp.policy == "recompute":
-                alloc(start, lc.saved_bytes)
-                free(end, lc.saved_bytes + (lc.input_bytes if lp.input_tier == "gpu" else offloaded(i)))
-            else:
-                free(end, offloaded(i))
-            _, e = lanes.run("d2h", end, lc.grad_bytes / Bd, f"grad {i}")
-            free(e, lc.grad_bytes)
-            grad_on_host[i] = e
+            g_end = end
+            for tr in after_compute.get((i, "B"), []):
+                _, g_end = move(tr, end)
+            free(g_end, lc.grad_bytes)
+            grads_down = max(grads_down, g_end)
             t = end
-        # ---- tail: embedding backward result down, optimizer on the CPU, uploads for the next step
+        for tr in after_compute.get((-1, "emb"), []):
+            _, ge = move(tr, t)
+            grads_down = max(grads_down, ge)
+        # ---- optimizer step: once every gradient is on the host (the global norm), in the updater's order
         b_end = t
         b0_end.append(b_end)
-        alloc(b_end, cm.embed_grad_bytes)
-        _, e = lanes.run("d2h", b_end, cm.embed_grad_bytes / Bd, "grad emb")
-        free(e, cm.embed_grad_bytes)
-        grad_on_host["emb"] = e
-        opt_end: dict[Any, float] = {}
-        order: list[Any] = ["emb", *range(L), "head"] if cm.head_params else ["emb", *range(L)]
+        opt: dict[Any, float] = {}
+        res_grad = [tr for tr in per_step if tr.what == "grad"]
+        for tr in res_grad:
+            _, ge = move(tr, b_end)
+            grads_down = max(grads_down, ge)
+        tc = max(b_end, grads_down)
+        rate = cm.hardware.cpu_optimizer_params_per_s
+        res_params = (0 if plan.stream_embeddings else cm.embed_params + cm.head_params)
+        _, tc = lanes.run("cpu", tc, res_params / rate, "opt resident")
+        opt["resident"] = tc
+        for tr in per_step:
+            if tr.what == "upload" and tr.layer is None:
+                _, ue = move(tr, tc)
+                opt["resident"] = ue
+        order = ([-1] if plan.stream_embeddings else []) + list(range(L)) + ([L] if plan.stream_embeddings else [])
+        last = tc
         for key in order:
-            params = cm.embed_params if key == "emb" else cm.head_params if key == "head" else cm.layers[key].params
-            _, oe = lanes.run(
-                "cpu",
-                max(b_end, grad_on_host.get(key, b_end)),
-                params / cm.hardware.cpu_optimizer_params_per_s,
-                f"opt {key}",
-            )
-            opt_end[key] = oe
-        _, emb_up = lanes.run("h2d", max(b_end, opt_end["emb"]), cm.embed_bytes / Bh, "upload emb")
-        pre_done = {}
-        for i in prestep:
-            _, e = lanes.run("h2d", max(b_end, opt_end[i]), cm.layers[i].weight_bytes / Bh, f"fetch F{i}")
-            pre_done[i] = e
-            if not plan.layers[i].resident:
-                alloc(b_end, cm.layers[i].weight_bytes)
-        prev_opt = opt_end
-        step_begin = max(b_end, emb_up) if plan.optimizer_overlap else max(emb_up, max(opt_end.values()))
+            n = cm.embed_params if key == -1 else cm.head_params if key == L else cm.layers[key].params
+            _, tc = lanes.run("cpu", tc, n / rate, f"opt {key}")
+            opt[key] = tc
+            last = tc
+            for tr in per_step:
+                if tr.what == "upload" and tr.layer == key:
+                    _, ue = move(tr, tc)
+                    opt[("upload", key)] = ue
+                    last = max(last, ue)
+        prev_opt = opt
+        step_begin = b_end if plan.optimizer_overlap else max(last, opt["resident"])
 
-    # ---- measurements on the middle step(s)
+    # ---- measurements on the last step
     t0, t1 = b0_end[-2], b0_end[-1]
     period = t1 - t0
-    mem_events.sort(key=lambda ev: (ev[0], ev[1]))  # releases before allocations at equal times
-    level = 0
-    peak = 0
+    mem.sort(key=lambda ev: (ev[0], ev[1]))  # releases before allocations at equal times
+    level = peak = 0
     samples: list[tuple[float, int]] = []
-    for tm, delta in mem_events:
+    for tm, delta in mem:
         level += delta
         peak = max(peak, level)
         if t0 <= tm <= t1:
             samples.append((tm, level))
-    host_events.sort(key=lambda ev: (ev[0], ev[1]))
-    h = 0
-    host_peak = 0
-    for _, delta in host_events:
+    host.sort(key=lambda ev: (ev[0], ev[1]))
+    h = host_peak = 0
+    for _, delta in host:
         h += delta
         host_peak = max(host_peak, h)
     window_lanes: dict[str, list[tuple[float, float, str]]] = {lane: [] for lane in LANES}
@@ -332,6 +322,11 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
         memory=samples,
         window=(t0, t1),
     )
+
+
+def _reloaded(cm: CostModel, lp, i: int) -> int:
+    lc = cm.layers[i]
+    return lc.saved_bytes if lp.policy.startswith("offload") else lc.input_bytes
 
 
 def draw_timeline(result: SimResult, path: str, title: str = "") -> str:

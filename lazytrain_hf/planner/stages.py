@@ -14,7 +14,8 @@ end of ``B_0`` and the start of the next step's ``F_0``. Within a stage the lane
     T_s >= h2d_s / BW_h2d,   T_s >= d2h_s / BW_d2h,   T_s >= nvme_read_s / BW_nvme_r + nvme_write_s / BW_nvme_w
 
 - ``compute``: ``f_i`` at ``F_i``, head fwd+bwd at ``H``, ``k_i`` (+ ``f_i`` when recomputed) at ``B_i``;
-- ``h2d`` issued at ``s``: weight fetch of ``F_i`` at ``i - aF_i`` (``aF_0 = 1``: issued in the previous tail),
+- ``h2d`` issued at ``s``: weight fetch of ``F_i`` at ``max(0, i - aF_i)`` (``F_0``'s is on demand, after the update
+  of layer 0),
   of ``B_i`` at ``2L - i - aB_i``, activation reloads at ``2L - i - aR_i``, the lm_head upload at ``F_{L-1}``;
 - ``d2h``: the offload of ``F_i``'s saved tensors at ``F_{i+1}``, the gradients of ``B_i`` at the next stage;
 - NVMe: the write one stage after its D2H, the read one stage before its H2D reload.
@@ -36,6 +37,7 @@ from typing import Any
 
 from .costmodel import CostModel
 from .plan import INPUT_TIERS, LayerPlan, Plan, PlanError
+from .schedule import bytes_per_step, sizes_from_cost_model
 
 DEFAULT_LOOKAHEAD = 2  # D: a transfer is issued at most D stages before the stage that needs it
 # Options per layer: (policy, input tier of what the layer leaves behind, what is reloaded).
@@ -94,9 +96,8 @@ def _layer_options(L: int, i: int, allowed: Sequence[str]) -> list[str]:
 
 
 def _fetch_fwd_aheads(i: int, lookahead: int) -> list[int]:
-    # F_0's fetch may be issued in the previous step's tail (ahead 1); later layers only inside the step.
-    if i == 0:
-        return [0, 1] if lookahead >= 1 else [0]
+    # Only inside the step: the executor issues a fetch reaching before stage 0 at stage 0 (`Plan.issue_schedule`),
+    # so F_0's fetch is on demand, after the update of layer 0.
     return list(range(min(lookahead, i) + 1))
 
 
@@ -115,9 +116,10 @@ class Evaluation:
     peak_host_bytes: int
     tflops: float
     tokens_per_s: float
+    bytes_per_step: dict[str, int] | None = None  # per lane, from the executor's schedule (schedule.py)
 
     def predictions(self) -> dict[str, Any]:
-        return {
+        out = {
             "step_time_s": self.step_time_s,
             "tflops": self.tflops,
             "tokens_per_s": self.tokens_per_s,
@@ -126,6 +128,9 @@ class Evaluation:
             "pinned_host_bytes": self.pinned_host_bytes,
             "nvme_bytes": self.nvme_bytes,
         }
+        if self.bytes_per_step is not None:
+            out["bytes_per_step"] = dict(self.bytes_per_step)
+        return out
 
 
 def _optimizer_finish_times(cm: CostModel) -> tuple[float, list[float], float]:
@@ -164,26 +169,19 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
 
     K = plan.checkpoint_every
     release: list[tuple[int, float]] = []  # (issue stage, layer) of forward fetches that wait for the optimizer
-    prestep: list[int] = []
     for lp in plan.layers:
         i = lp.index
         lc = cm.layers[i]
         sB = 2 * L - i
         option = _option_of(lp)
-        # ---- forward weights
-        sigma = i - lp.fetch_fwd_ahead
-        if sigma < 0:
-            prestep.append(i)
-            if not lp.resident:
-                alive(0, i, lc.weight_bytes)
-                mem_tail += lc.weight_bytes
-        else:
-            h2d[sigma] += lc.weight_bytes
-            if sigma == i:
-                od[i] += lc.weight_bytes
-            if not lp.resident:
-                alive(sigma, i, lc.weight_bytes)
-            release.append((sigma, i))
+        # ---- forward weights (a fetch reaching before stage 0 is issued at stage 0, as the executor does)
+        sigma = max(0, i - lp.fetch_fwd_ahead)
+        h2d[sigma] += lc.weight_bytes
+        if sigma == i:
+            od[i] += lc.weight_bytes
+        if not lp.resident:
+            alive(sigma, i, lc.weight_bytes)
+        release.append((sigma, i))
         comp[i] += lc.fwd_s
         # ---- backward weights
         if lp.resident:
@@ -262,19 +260,13 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     for t in stage_times:
         prefix.append(prefix[-1] + t)
     if plan.optimizer_overlap:
-        e = c_emb + cm.embed_bytes / Bh
-        for i in sorted(prestep):
-            e = max(e, c[i]) + cm.layers[i].weight_bytes / Bh
-        tail = e
+        tail = c_emb + cm.embed_bytes / Bh
         for sigma, i in release:
             tail = max(tail, c[i] - prefix[sigma])
         if cm.head_bytes and L >= 1:
             tail = max(tail, c_all - prefix[L - 1])
     else:
-        e = c_all + cm.embed_bytes / Bh
-        for i in sorted(prestep):
-            e += cm.layers[i].weight_bytes / Bh
-        tail = e
+        tail = c_all + cm.embed_bytes / Bh
     mem = []
     run = 0
     for s in range(S):
@@ -294,6 +286,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         peak_host_bytes=int(cm.host_state_bytes + pinned),
         tflops=cm.model_flops / step / 1e12,
         tokens_per_s=cm.tokens / step,
+        bytes_per_step=bytes_per_step(plan, sizes_from_cost_model(cm)),
     )
 
 

@@ -109,6 +109,7 @@ class CompletionTracker:
             # the top layer of a checkpointed block: the block is recomputed now, before its backward
             self.activations.begin_backward(i)
         self._account()
+        self._span_start[("backward", i)] = self.trace.mark()
 
     def _enter_backward(self) -> None:
         if self._phase != "backward":
@@ -143,6 +144,9 @@ class CompletionTracker:
         if st.completed or st.expected is None:
             return
         if (st.input_done or not st.input_rg) and st.expected <= st.accumulated:
+            start = self._span_start.pop(("backward", i), None)
+            if start is not None:
+                self.trace.span("backward", i, start, self.trace.mark())
             self._complete(i)
 
     def _on_backward_end(self) -> None:

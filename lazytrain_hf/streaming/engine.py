@@ -136,7 +136,7 @@ class TransferEngine:
         self._worker: _HostWorker | None = _HostWorker() if self.is_async else None
         self.fetch_count = 0
         self.fetch_bytes = 0
-        self.trace = Trace()
+        self.trace = Trace(device=self.device)
         self._staging = _StagingPool(pin=self.is_cuda)
 
     def __repr__(self) -> str:

@@ -141,6 +141,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self._loss_stats: dict[str, int] = {}
         self._embed_began = False  # the embedding's pre-hook began this step (layer 0 must not begin another)
         self._loss_peak = 0
+        self._span_start: dict[tuple[str, int], Any] = {}  # compute spans open in the trace
 
         # ---- phase 0: the activation engine first: its checks (NVMe directory, ...) fail before the model is touched
         if activation_engine is None:
@@ -219,6 +220,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 self.fetch_guard(i)
             self.engine.wait_ready(st.slot)  # Note: [Compute waits for the H2D event]
         self._bind(i)
+        self._span_start[("forward", i)] = self.trace.mark()  # the weights are there: pure compute from here
         if self._grad_step and torch.is_grad_enabled():
             step = self._step_id
             if args and isinstance(args[0], torch.Tensor):
@@ -239,6 +241,9 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
 
     def _post_forward(self, i: int, output: Any) -> Any:
         st = self._all[i]
+        start = self._span_start.pop(("forward", i), None)
+        if start is not None and output is not None:
+            self.trace.span("forward", i, start, self.trace.mark())
         if st.in_engine:
             st.in_engine = False
             self.activations.end_layer(i, output)

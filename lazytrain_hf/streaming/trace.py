@@ -50,7 +50,7 @@ class Trace:
             events are converted to seconds when the step is read).
     """
 
-    def __init__(self, keep_steps: int = DEFAULT_KEEP_STEPS, clock=time.perf_counter):
+    def __init__(self, keep_steps: int = DEFAULT_KEEP_STEPS, clock=time.perf_counter, device: Any = "cpu"):
         if keep_steps < 0:
             raise ValueError(f"keep_steps={keep_steps} must be >= 0.")
         self.keep_steps = keep_steps
@@ -61,6 +61,10 @@ class Trace:
         self._lock = threading.Lock()
         self._local = threading.local()
         self.enabled = True
+        # CUDA: compute spans are pairs of timing events on the compute stream, resolved when a step is read, so
+        # recording one never blocks the host; elsewhere the clock's seconds
+        self._cuda = torch.device(device).type == "cuda"
+        self._origin = None
 
     def __repr__(self) -> str:
         return f"Trace(steps={len(self._steps)}, keep_steps={self.keep_steps}, current={self.step_index})"
@@ -148,14 +152,45 @@ class Trace:
             s["host_syncs"] += 1
             s["sync_reasons"][reason] = s["sync_reasons"].get(reason, 0) + 1
 
-    def span(self, kind: str, layer: int | None, start: float, end: float, step: int | None = None) -> None:
-        """A compute span (``kind``: ``forward``, ``backward``, ``recompute``, ``loss``) in seconds of `clock`."""
+    def mark(self) -> Any:
+        """A point on the compute side's timeline: the clock's seconds, or on CUDA a timing event on the current
+        stream (its time is when the stream reaches it, so waits queued before it are excluded)."""
+        if not self._cuda:
+            return self.clock()
+        ev = torch.cuda.Event(enable_timing=True)
+        ev.record()
+        if self._origin is None:
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
+        return ev
+
+    def span(self, kind: str, layer: int | None, start: Any, end: Any, step: int | None = None) -> None:
+        """A compute span (``kind``: ``forward``, ``backward``) between two `mark` results."""
         if not self.enabled:
             return
         with self._lock:
             s = self._step(step)
             if self._detailed(s["step"]):
                 s["compute"].append({"kind": kind, "layer": layer, "start": start, "end": end})
+
+    def _resolve(self, spans: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        out = []
+        for sp in spans:
+            a, b = sp["start"], sp["end"]
+            if not isinstance(a, float | int):
+                b.synchronize()
+                a, b = self._origin.elapsed_time(a) / 1e3, self._origin.elapsed_time(b) / 1e3
+            out.append({**sp, "start": a, "end": b, "seconds": b - a})
+        return out
+
+    def compute_seconds(self, kind: str, step: int | None = None) -> dict[int, list[float]]:
+        """``{layer: [seconds of each span of kind]}`` over the detailed steps (or one ``step``)."""
+        out: dict[int, list[float]] = {}
+        for s in self.steps if step is None else [self._steps[step]]:
+            for sp in self._resolve(s["compute"]):
+                if sp["kind"] == kind:
+                    out.setdefault(sp["layer"], []).append(sp["seconds"])
+        return out
 
     def update(self, layer: int | str, start: float, end: float, step: int | None = None) -> None:
         """One optimizer update (a layer, or ``"resident"``)."""
@@ -199,7 +234,7 @@ class Trace:
 
     def to_dict(self, max_steps: int | None = None) -> dict[str, Any]:
         steps = self.steps if max_steps is None else self.steps[:max_steps]
-        return {"lanes": list(LANES), "steps": steps}
+        return {"lanes": list(LANES), "steps": [{**s, "compute": self._resolve(s["compute"])} for s in steps]}
 
     def to_json(self, path: str, max_steps: int | None = None) -> str:
         text = json.dumps(self.to_dict(max_steps), indent=1)

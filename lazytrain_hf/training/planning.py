@@ -1,7 +1,8 @@
 """The plan a run trains with: hardware profile -> timed warm-up -> solve (or a baseline, or the default plan).
 
 Owns `make_plan` (what `LazyTrainer.train()` runs when no plan is given), the timed warm-up (`measure_layer_times`,
-`time_streamed_layers`: per-layer forward/backward seconds of the model streamed with the default plan), plan files
+`time_streamed_layers`: per-layer forward/backward seconds of pure compute, Note: [The warm-up measures two batch
+sizes]), the bytes a plan moves per step (`predict_bytes`, `measure_offload_bytes`), plan files
 (`load_plan_file`, `save_plan`: JSON and timeline picture in output_dir) and the checks made before anything is
 attached or allocated (`check_plan_fits`, `check_host_memory`). Takes the model, the `LazyTrainingArguments` and a
 collated batch as plain values: it never imports `transformers.Trainer`, never changes the arguments (adopting the
@@ -407,59 +408,87 @@ def _existing_parent(path: str) -> str:
 def measure_layer_times(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, steps: int
 ) -> tuple[list[float], list[float]]:
-    """Median forward and backward seconds per decoder layer over ``steps`` timed forward+backward passes
-    (`time_streamed_layers`), restoring every RNG state and the train/eval mode: warm-up never changes training.
+    """Per decoder layer, forward and backward seconds of pure compute at ``batch``'s micro-batch size, restoring
+    every RNG state and the train/eval mode: warm-up never changes training.
+
+    Note: [The warm-up measures two batch sizes]
+        The timed passes hold every activation on the device, so they run at one and two sequences of ``batch``
+        (rows sliced from it), never at the training batch: the warm-up fits wherever a plan can, and how time
+        grows with the batch is measured, not assumed. Each layer's time at ``B`` sequences is the line through
+        the two measurements, ``t(B) = t(1) + (t(2) - t(1)) (B - 1)`` (never below ``t(2)``): a fixed cost per
+        call (kernel launches, the executor's hooks) plus a part that grows with the tokens. Times are the
+        executor's compute spans (`StreamHandle.trace`: from the moment the layer's weights are bound to the end
+        of its forward, from the start of its backward stage to its completion), so transfers and their waits are
+        not counted as compute.
     """
     rng = _rng_state()
     was_training = model.training
+    B = int(batch["input_ids"].shape[0])
     try:
         model.train()
-        return time_streamed_layers(model, batch, device, max(1, steps))
+        one = time_streamed_layers(model, _rows(batch, 1), device, max(1, steps))
+        if B == 1:
+            return one
+        two = time_streamed_layers(model, _rows(batch, 2), device, max(1, steps))
+        if B == 2:
+            return two
+
+        def at(t1: list[float], t2: list[float]) -> list[float]:
+            return [max(b, a + (b - a) * (B - 1)) for a, b in zip(t1, t2)]
+
+        return at(one[0], two[0]), at(one[1], two[1])
     finally:
         model.train(was_training)
         _set_rng_state(rng)
 
 
+def _rows(batch: dict[str, torch.Tensor], n: int) -> dict[str, torch.Tensor]:
+    return {k: v[:n] if isinstance(v, torch.Tensor) and v.dim() > 0 else v for k, v in batch.items()}
+
+
 def time_streamed_layers(
     model: torch.nn.Module, batch: dict[str, torch.Tensor], device: torch.device, passes: int
 ) -> tuple[list[float], list[float]]:
-    """Median forward and backward seconds per decoder layer over ``passes`` forward+backward passes of ``model``
-    streamed with the default plan (the executor's own costs included), the first pass dropped (it pays one-off
-    allocation costs). Parameters and gradients are left as they were. Used by the trainer's timed warm-up and by
-    `benchmarks/gpu_check.py`."""
+    """Median forward and backward seconds of pure compute per decoder layer over ``passes`` forward+backward passes
+    of ``model`` streamed with every activation kept (the executor's compute spans, transfers excluded: Note: [The
+    warm-up measures two batch sizes]), the first pass dropped (it pays one-off allocation costs). Parameters and
+    gradients are left as they were. Used by the trainer's timed warm-up and by `benchmarks/gpu_check.py`."""
+    from ..planner.plan import LayerPlan, Plan
     from ..streaming import attach
 
-    layers = models.decoder_layers(unwrap_base(model))
-    fwd: list[list[float]] = [[] for _ in layers]
-    bwd: list[list[float]] = [[] for _ in layers]
-    t_start: dict[tuple[str, int], float] = {}
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-
-    def clock() -> float:
-        sync()
-        return time.perf_counter()
-
-    hooks = []
-    for i, layer in enumerate(layers):
-        hooks.append(layer.register_forward_pre_hook(lambda m, a, i=i: t_start.__setitem__(("f", i), clock())))
-        hooks.append(layer.register_forward_hook(lambda m, a, o, i=i: fwd[i].append(clock() - t_start["f", i])))
-        hooks.append(layer.register_full_backward_pre_hook(lambda m, g, i=i: t_start.__setitem__(("b", i), clock())))
-        hooks.append(
-            layer.register_full_backward_hook(lambda m, gi, go, i=i: bwd[i].append(clock() - t_start["b", i]))
-        )
-    handle = attach(model, plan=None, device=device)
+    kinds = models.layer_kinds(unwrap_base(model).config)
+    B, T = (int(x) for x in batch["input_ids"].shape[:2])
+    plan = Plan(
+        layers=[LayerPlan(index=i, kind=k) for i, k in enumerate(kinds)],
+        micro_batch_size=B,
+        seq_len=T,
+        source="warmup",
+        optimizer_overlap=False,
+    )
+    n = len(kinds)
+    handle = attach(model, plan=plan, device=device)
     try:
-        for _ in range(passes):
+        handle.trace.keep_steps = passes + 1
+        for _ in range(passes + (1 if passes > 1 else 0)):
             handle.causal_lm_loss(model, dict(batch)).backward()
             handle.zero_grad()
+            handle.trace.end_step()
+        first = 1 if passes > 1 else 0
+        fwd: list[list[float]] = [[] for _ in range(n)]
+        bwd: list[list[float]] = [[] for _ in range(n)]
+        for k, s in enumerate(handle.trace.steps):
+            if k < first:
+                continue
+            for kind, out in (("forward", fwd), ("backward", bwd)):
+                for layer, secs in handle.trace.compute_seconds(kind, step=s["step"]).items():
+                    if 0 <= layer < n:
+                        out[layer].extend(secs)
     finally:
         handle.remove()
-        for h in hooks:
-            h.remove()
         model.zero_grad(set_to_none=True)
 
     def med(xs: list[float]) -> float:
-        xs = sorted(xs[1:] if len(xs) > 1 else xs)
+        xs = sorted(xs)
         return xs[len(xs) // 2] if xs else 0.0
 
     return [med(x) for x in fwd], [med(x) for x in bwd]
