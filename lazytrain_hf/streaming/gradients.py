@@ -99,7 +99,7 @@ class GradientSink:
                 self.sq_norms.pop(i, None)
             ls.has_grad = True
             after = self._after_offload(i, host_norm=last and not device_norm, reduce=reduce)
-            self.engine.offload_grads(pairs, accumulate=not fresh, after=after)
+            self.engine.offload_grads(pairs, accumulate=not fresh, after=after, layer=i)
             self._drop_device_grads(st)
         elif self._callbacks:
             self._run_callbacks(i)
