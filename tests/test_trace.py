@@ -17,9 +17,7 @@ from test_plan_space import _SETTINGS, STEPS, cases, keep_all_plan, write_plan
 from trainer_fixtures import token_dataset
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments, models
-from lazytrain_hf.planner import schedule
-from lazytrain_hf.planner.plan import Plan
-from lazytrain_hf.streaming import attach
+from lazytrain_hf.planner.plan import LayerPlan, Plan
 from lazytrain_hf.streaming.trace import LANES, Trace
 
 
@@ -90,3 +88,78 @@ def test_trace_bytes_equal_prediction(case):
 @given(cases())
 def test_trace_bytes_equal_prediction_slow(case):
     check_trace(case)
+
+
+def sync_plan(kinds: list[str], overlap: bool) -> Plan:
+    """Keep, offload to the CPU, recompute from a CPU-held input and a resident layer: every moving part."""
+    policies = ["keep", "offload_cpu", "recompute", "keep"]
+    return Plan(
+        layers=[
+            LayerPlan(
+                index=i,
+                kind=k,
+                policy=policies[i % 4],
+                input_tier="cpu" if policies[i % 4] == "recompute" else "gpu",
+                resident=i % 4 == 3,
+            )
+            for i, k in enumerate(kinds)
+        ],
+        micro_batch_size=2,
+        seq_len=10,
+        optimizer_overlap=overlap,
+        source="file",
+    )
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("ga", [1, 2])
+def test_host_syncs_per_step(ga, overlap):
+    """The training thread blocks on device work once per step to take the gradients over (``engine.synchronize``,
+    the optimizer needs every accumulator) and once per micro-batch when the activation engine ends its step; the
+    optimizer's compute-copy writes and resident uploads do not block it (fp32 on the CPU device: resident parameters
+    are their own masters)."""
+    kinds = models.layer_kinds(tiny_model("qwen3").config)
+    trace, _ = traced_run("qwen3", sync_plan(kinds, overlap), ga, torch.float32)
+    for s in trace["steps"]:
+        expected = {"engine.synchronize": 1, "activations: end of step waits for the copy lanes": ga}
+        assert s["sync_reasons"] == expected, (s["step"], s["sync_reasons"])
+        assert s["host_syncs"] == 1 + ga
+
+
+def test_gradients_cross_in_their_own_dtype():
+    """A bf16 model's gradients move 2 bytes per parameter (Note: [Gradients cross in their own dtype]): every
+    gradient transfer of the trace is bf16 and the D2H bytes per step equal the streamed trainable parameters x 2."""
+    model_type = "qwen3"
+    kinds = models.layer_kinds(tiny_model(model_type).config)
+    plan = keep_all_plan(kinds, stream_embeddings=False, loss_chunk_tokens=1024)
+    trace, _ = traced_run(model_type, plan, 1, torch.bfloat16)
+    model = tiny_model(model_type)
+    n = sum(p.numel() for layer in models.decoder_layers(model) for p in layer.parameters())
+    for s in trace["steps"]:
+        grads = [t for t in s["transfers"] if t["what"] == "grad" and t["layer"] is not None]
+        assert grads and all(t["dtype"] == "bfloat16" for t in grads), grads[:3]
+        assert sum(t["bytes"] for t in grads) == 2 * n
+
+
+def test_trace_unit():
+    trace = Trace(keep_steps=1)
+    trace.transfer("h2d", 10, torch.bfloat16, 0, "fetch_fwd")
+    trace.host_sync("x")
+    with trace.in_step(0):
+        trace.end_step()  # records of another thread's step stay where they belong
+        trace.transfer("d2h", 4, torch.float32, None, "grad")
+    trace.transfer("h2d", 7, None, 1, "fetch_fwd")
+    trace.end_step()
+    steps = trace.steps
+    assert [s["bytes"] for s in steps] == [
+        {"h2d": 10, "d2h": 4, "nvme_read": 0, "nvme_write": 0},
+        {"h2d": 7, "d2h": 0, "nvme_read": 0, "nvme_write": 0},
+    ]
+    assert steps[0]["host_syncs"] == 1 and steps[1]["transfers"] == []  # details of the first keep_steps only
+    with trace.paused():
+        trace.transfer("h2d", 1, None, 0, "fetch_fwd")
+    assert trace.current["bytes"]["h2d"] == 0
+    with pytest.raises(ValueError, match="lane='pcie'"):
+        trace.transfer("pcie", 1, None, 0, "x")
+    with pytest.raises(ValueError, match="keep_steps=-1"):
+        Trace(keep_steps=-1)

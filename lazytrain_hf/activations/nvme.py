@@ -449,6 +449,7 @@ class NvmeTier(Tier):
         entry.file = f
         entry.offset = spill.reserve(f, nbytes)
         acct.add("nvme", nbytes)
+        self.ctx.record("nvme_write", nbytes, None, entry.layer, "spill")
         # bound the staging memory of writes in flight: wait for the oldest ones first
         inflight = sum(n for _, n in self._writes)
         while self._writes and inflight + nbytes > self.max_inflight_bytes:
@@ -507,6 +508,10 @@ class NvmeTier(Tier):
     def _issue_reload(self, entry: Entry, storage: torch.Tensor, narrow: torch.Tensor) -> None:
         ctx = self.ctx
         alloc_event = ctx.lanes.compute_event() if ctx.is_async else None
+        # the read, then the H2D copy of what it read (on the synchronous CPU engine a dense read lands in the
+        # device tensor directly; it is recorded as the copy the CUDA path makes)
+        ctx.record("nvme_read", entry.layout.nbytes, None, entry.layer, "unspill")
+        ctx.record("h2d", entry.layout.nbytes, None, entry.layer, "reload")
         entry.reload_future = self.spill.reader.submit(self._read, entry, narrow, storage, alloc_event)
         with ctx.acct.lock:
             while self._reads and self._reads[0].done():

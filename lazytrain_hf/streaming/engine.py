@@ -351,6 +351,10 @@ class TransferEngine:
             ev.synchronize()
         self._pending.clear()
         self._worker.drain()
+        # A fetch whose layer computed since has been read: the compute waited for it, and the gradient copies just
+        # waited for are ordered after that compute. Forgetting those events (a non-blocking query) spares the
+        # optimizer a host synchronisation per layer in `wait_host_reads`.
+        self._host_read = {k: ev for k, ev in self._host_read.items() if not ev.query()}
 
     def close(self) -> None:
         if self._worker is not None:
