@@ -55,6 +55,8 @@ The Notes below and the tests that exercise them (every test runs under the simu
 | [Offloaded storages are copied once] | ``test_views_of_one_storage_are_copied_once`` |
 | [Weights are never offloaded] | ``test_param_packer_references_weights`` |
 | [Spill files never outlive the process] | ``test_spill_files_*``, ``test_activations_process.py`` |
+| [Spilled bytes leave RAM] | ``test_nvme_io.py`` (page-cache residency of spill files, bit-exact round trips per I/O mode) |
+| [Released reloads free behind their copy] | ``test_activations.py::test_release_does_not_block_on_reload_events``, ``test_plan_space.py`` |
 | [Recompute replays RNG and autocast state] | ``test_recompute_with_dropout_matches_keep``, ``test_recompute_leaves_training_rng_and_module_hooks_alone`` |
 | [Recompute serves tensors by index, per backward], [Block recomputation] | ``test_retain_graph_second_backward``, ``test_block_recompute.py``, ``test_plan_space.py`` (``checkpoint_every``) |
 """
