@@ -6,9 +6,10 @@
 For each size (qwen3 built from a config with transformers, random init, fp32, untied embeddings):
 
 1. ``hardware.measure(device="cpu", config=...)``: this machine's profile at the model's layer shapes (GEMM rate,
-   attention, batched matmuls, memory-bound passes, kernel cost, copy bandwidth, optimizer rate); its measured
-   per-kind layer times are kept aside (printed against the cost model's analytic ones) and removed from the
-   profile, so every prediction comes from `CostModel.from_config`'s per-class terms.
+   attention, batched matmuls, memory-bound passes, kernel cost, copy bandwidth, optimizer rate), measured again
+   just before each plan runs (the load of a shared machine changes by the minute); its measured per-kind layer
+   times are kept aside (printed against the cost model's analytic ones) and removed from the profile, so every
+   prediction comes from `CostModel.from_config`'s per-class terms.
 2. The plans: ``keep_all`` and ``megatrain`` (`baselines.make_baseline`) and the MILP plan (`milp.solve`) under a
    device budget of 60% of keep_all's peak, so that it must stream, offload or recompute.
 3. Each plan trained for ``--warmup`` + ``--steps`` real steps as `LazyTrainer` puts one together (streamed
@@ -19,9 +20,10 @@ For each size (qwen3 built from a config with transformers, random init, fp32, u
    lanes on the CPU device], hardware.py): the compute of every stage (forward, head, backward, recomputation)
    plus the step's copies at the measured bandwidths (bytes from the executor's trace) plus the whole optimizer.
 
-Threads: ``--threads`` (default 1) for measurement and training alike: on a shared 2-core machine one thread per
-process keeps the timings steadier than two threads that wait for each other. The load average is printed with
-each size; compare ratios within one run.
+Threads and clock: ``--threads`` (default 1) for measurement and training alike, and ``--clock process`` (default):
+probes and steps are timed by this process's CPU time (`time.process_time`), which on a shared 2-core machine counts
+what the work costs whatever the other tenants run (the wall clock of a step there swings 2-3x within a minute);
+``--clock wall`` on a quiet machine. The load average is printed with each plan.
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ SIZES: dict[str, tuple[int, int, int, int, int, int, int]] = {
 }
 VOCAB = 16384
 MILP_BUDGET_FRACTION = 0.6
+CLOCK = [time.process_time]  # --clock: process CPU time (default) or wall time
 
 
 def qwen3_config(name: str):
@@ -101,8 +104,9 @@ def run_plan(model, plan, batch, warmup: int, steps: int) -> dict[str, Any]:
         updater.bind(opt)
         n_items = int((batch["labels"][:, 1:] != -100).sum())
         times = []
+        clock = CLOCK[0]
         for k in range(warmup + steps):
-            t0 = time.perf_counter()
+            t0 = clock()
             updater.wait_resident()
             loss = handle.causal_lm_loss(model, batch, num_items_in_batch=n_items)
             loss.backward()
@@ -116,7 +120,7 @@ def run_plan(model, plan, batch, warmup: int, steps: int) -> dict[str, Any]:
             if trace is not None:
                 trace.end_step()
             if k >= warmup:
-                times.append(time.perf_counter() - t0)
+                times.append(clock() - t0)
         last = handle.trace.steps[-1]["bytes"] if getattr(handle, "trace", None) is not None else None
         return {"step_s": statistics.median(times), "times": times, "bytes": last}
     finally:
@@ -148,42 +152,34 @@ def bench_size(name: str, warmup: int, steps: int) -> dict[str, Any]:
 
     cfg = qwen3_config(name)
     B, T = SIZES[name][5], SIZES[name][6]
-    load = os.getloadavg()[0]
-    prof = hardware.measure(device="cpu", config=cfg, micro_batch_size=B, seq_len=T, use_cache=False, repeats=3)
-    measured_layers = prof.layer_times
-    prof = dataclasses.replace(prof, layer_times={}, layer_times_shape=[])
-    cm = CostModel.from_config(cfg, prof, T, B, dtype_bytes=4, model_name=f"qwen3-{name}")
-    lc = cm.layers[0]
-    mf, mb = measured_layers["full_attention"]
+
+    def profile_now():
+        p = hardware.measure(
+            device="cpu", config=cfg, micro_batch_size=B, seq_len=T, use_cache=False, repeats=3, timer=CLOCK[0]
+        )
+        layer = p.layer_times["full_attention"]
+        p = dataclasses.replace(p, layer_times={}, layer_times_shape=[])
+        return p, CostModel.from_config(cfg, p, T, B, dtype_bytes=4, model_name=f"qwen3-{name}"), layer
+
+    prof, cm, _ = profile_now()
     model = build_model(cfg, torch.float32, torch.device("cpu"))
     batch = make_batch(VOCAB, B, T, torch.device("cpu"))
-    out = {
-        "size": name,
-        "params": count_params(model),
-        "batch": [B, T],
-        "load_avg_1m": load,
-        "profile": prof.to_dict(),
-        "layer": {"pred_fwd_s": lc.fwd_s, "pred_bwd_s": lc.bwd_s, "meas_fwd_s": mf, "meas_bwd_s": mb},
-        "plans": [],
-    }
-    print(
-        f"[{name}] {out['params'] / 1e6:.0f}M params, B={B} T={T}, load {load:.1f}; profile: GEMM "
-        f"{prof.peak_tflops * 1e3:.0f} GFLOP/s, eff {', '.join(f'{k} {v:.2f}' for k, v in prof.efficiency.items())}, "
-        f"BW_mem {prof.memory_gbps:.1f} GB/s, kernel {prof.kernel_overhead_s * 1e6:.1f} us, copy "
-        f"{prof.h2d_gbps:.1f} GB/s, optimizer {prof.cpu_optimizer_params_per_s / 1e6:.0f} Mparam/s",
-        flush=True,
-    )
-    print(
-        f"[{name}] decoder layer fwd / bwd: predicted {lc.fwd_s * 1e3:.1f} / {lc.bwd_s * 1e3:.1f} ms, measured "
-        f"{mf * 1e3:.1f} / {mb * 1e3:.1f} ms (ratio {lc.fwd_s / mf:.2f} / {lc.bwd_s / mb:.2f})",
-        flush=True,
-    )
+    out = {"size": name, "params": count_params(model), "batch": [B, T], "plans": []}
+    print(f"[{name}] {out['params'] / 1e6:.0f}M params, B={B} T={T}", flush=True)
     for label, plan in plans_for(cm, name):
+        # the profile is measured again just before each plan runs: on a shared machine the load changes by the
+        # minute (CPU time removes most of that, not the other tenants' use of the memory bus)
+        load = os.getloadavg()[0]
+        prof, cm_now, (mf, mb) = profile_now()
+        lc = cm_now.layers[0]
         res = run_plan(model, plan, batch, warmup, steps)
-        stage = evaluate_plan(plan, cm).step_time_s
-        serial = serial_prediction(plan, cm, res["bytes"])
+        stage = evaluate_plan(plan, cm_now).step_time_s
+        serial = serial_prediction(plan, cm_now, res["bytes"])
         row = {
             "plan": label,
+            "load_avg_1m": load,
+            "profile": prof.to_dict(),
+            "layer": {"pred_fwd_s": lc.fwd_s, "pred_bwd_s": lc.bwd_s, "meas_fwd_s": mf, "meas_bwd_s": mb},
             "measured_s": res["step_s"],
             "times_s": res["times"],
             "stage_pred_s": stage,
@@ -194,8 +190,20 @@ def bench_size(name: str, warmup: int, steps: int) -> dict[str, Any]:
         }
         out["plans"].append(row)
         print(
-            f"[{name}] {label:10s} measured {res['step_s']:.3f} s | stage {stage:.3f} s ({row['stage_ratio']:.2f}) | "
-            f"serial {serial:.3f} s ({row['serial_ratio']:.2f})",
+            f"[{name}] {label:10s} load {load:.1f}; profile: GEMM {prof.peak_tflops * 1e3:.0f} GFLOP/s, "
+            f"{', '.join(f'{k} {v:.2f}' for k, v in prof.efficiency.items())}, BW_mem {prof.memory_gbps:.1f} GB/s, "
+            f"kernel {prof.kernel_overhead_s * 1e6:.1f} us, copy {prof.h2d_gbps:.1f} GB/s, optimizer "
+            f"{prof.cpu_optimizer_params_per_s / 1e6:.0f} Mparam/s",
+            flush=True,
+        )
+        print(
+            f"[{name}] {label:10s} decoder layer fwd / bwd: predicted {lc.fwd_s * 1e3:.1f} / {lc.bwd_s * 1e3:.1f} ms, "
+            f"measured {mf * 1e3:.1f} / {mb * 1e3:.1f} ms (ratio {lc.fwd_s / mf:.2f} / {lc.bwd_s / mb:.2f})",
+            flush=True,
+        )
+        print(
+            f"[{name}] {label:10s} step measured {res['step_s']:.3f} s | stage {stage:.3f} s ({row['stage_ratio']:.2f})"
+            f" | serial {serial:.3f} s ({row['serial_ratio']:.2f})",
             flush=True,
         )
     del model
@@ -208,6 +216,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument(
+        "--clock",
+        choices=("process", "wall"),
+        default="process",
+        help="time steps and probes by this process's CPU time (steady on a shared machine) or by the wall clock",
+    )
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
@@ -217,6 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.steps < 1 or args.warmup < 0 or args.threads < 1:
         raise SystemExit("--steps must be >= 1, --warmup >= 0, --threads >= 1.")
     torch.set_num_threads(args.threads)
+    CLOCK[0] = time.process_time if args.clock == "process" else time.perf_counter
     torch.manual_seed(0)
     t0 = time.perf_counter()
     results = [bench_size(s, args.warmup, args.steps) for s in sizes]
@@ -228,7 +243,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['size']:6s} {p['plan']:10s} {p['measured_s']:10.3f} {p['stage_pred_s']:8.3f} "
                 f"{p['stage_ratio']:6.2f} {p['serial_pred_s']:8.3f} {p['serial_ratio']:6.2f}"
             )
-    print(f"total {time.perf_counter() - t0:.0f} s, threads {args.threads}")
+    print(f"total {time.perf_counter() - t0:.0f} s wall, threads {args.threads}, clock {args.clock}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=2)

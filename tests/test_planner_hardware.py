@@ -56,7 +56,7 @@ def test_measure_is_fast_and_sane(tmp_path):
     assert 0.5 < p.h2d_gbps < 500 and p.nvme_write_gbps > 0 and p.cpu_optimizer_params_per_s > 1e6
     assert 0.001 < p.peak_tflops < 100 and p.device_type == "cpu"
     # the CPU device measured per compute class at layer shapes, memory-bound passes and kernels; lanes serial
-    assert set(p.efficiency) == {"attention", "attention_bwd", "linear_attention", "moe"}
+    assert set(p.efficiency) == {"gemm_bwd", "attention", "attention_bwd", "linear_attention", "moe"}
     assert all(0 < e <= 1 for e in p.efficiency.values()) and p.achievable_fraction == 1.0
     assert 0.05 < p.memory_gbps < 1000 and 0 < p.kernel_overhead_s < 1e-3 and p.serial_lanes
     assert measure(cache_path=str(path)) == p  # cached

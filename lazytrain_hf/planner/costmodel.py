@@ -348,31 +348,38 @@ def layer_seconds(terms: dict[str, float], hardware: HardwareProfile) -> tuple[f
     """Forward and backward seconds of one layer from its `layer_compute_terms` on ``hardware``.
 
     ``f = sum_k F_k / (P eta_k) + memory_fwd / BW_mem + n t_kernel`` over the compute classes ``k``; backward
-    ``2 F_k`` per class (the attention core at ``eta_attention_bwd``), ``memory_bwd / BW_mem`` and ``2 n`` kernels.
+    ``2 F_k`` per class (dense GEMMs at ``eta_gemm_bwd``, the attention core at ``eta_attention_bwd``),
+    ``memory_bwd / BW_mem`` and ``2 n`` kernels.
     Terms whose rate the profile does not model (``BW_mem`` or ``t_kernel`` 0) count nothing.
     """
     hw = hardware
-    core = sum(terms[k] / hw.rate(k) for k in ("gemm", "linear_attention", "moe") if terms[k])
+    core = sum(terms[k] / hw.rate(k) for k in ("linear_attention", "moe") if terms[k])
+    gemm_f = terms["gemm"] / hw.rate("gemm")
+    gemm_b = 2 * terms["gemm"] / hw.rate("gemm_bwd")
     attn_f = terms["attention"] / hw.rate("attention") if terms["attention"] else 0.0
     attn_b = 2 * terms["attention"] / hw.rate("attention_bwd") if terms["attention"] else 0.0
     bw = hw.memory_bytes_per_s
     mem_f = terms["memory_fwd"] / bw if bw else 0.0
     mem_b = terms["memory_bwd"] / bw if bw else 0.0
     k = terms["kernels"] * hw.kernel_overhead_s
-    return core + attn_f + mem_f + k, 2 * core + attn_b + mem_b + 2 * k
+    return gemm_f + core + attn_f + mem_f + k, gemm_b + 2 * core + attn_b + mem_b + 2 * k
 
 
-def head_seconds(N: int, d: int, V: int, db: int, loss_chunk_tokens: int, hardware: HardwareProfile) -> float:
-    """Final norm + lm_head + chunked cross entropy, forward and backward.
+def head_seconds(
+    N: int, d: int, V: int, db: int, loss_chunk_tokens: int, hardware: HardwareProfile, embed_grad_bytes: int = 0
+) -> float:
+    """Final norm + lm_head + chunked cross entropy, forward and backward, and the embedding's backward.
 
-    GEMMs ``6 N d V`` at the dense rate; memory-bound per token and vocabulary entry: the logits written in the
-    compute dtype, upcast to fp32, read by logsumexp, the fp32 gradient written and cast back, read by the two
-    backward GEMMs (``2 db + 4 * 4`` bytes); kernels: ~20 per chunk.
+    GEMMs: ``2 N d V`` forward at the dense rate, ``4 N d V`` backward at the backward rate. Memory-bound per token
+    and vocabulary entry (``5 db + 16`` bytes): the logits written by the GEMM and read by logsumexp through an fp32
+    upcast (``db + 8``), read again by the backward (``db``), the fp32 gradient written and cast back (``4 + 4 +
+    db``), read by the two backward GEMMs (``2 db``). The embedding has no stage of its own: its dense gradient is
+    zeroed and scattered into (``2 x embed_grad_bytes``) here. Kernels: ~20 per loss chunk.
     """
     hw = hardware
-    t = 6 * N * d * V / hw.rate("gemm")
+    t = 2 * N * d * V / hw.rate("gemm") + 4 * N * d * V / hw.rate("gemm_bwd")
     if hw.memory_bytes_per_s:
-        t += N * V * (2 * db + 4 * FP32) / hw.memory_bytes_per_s
+        t += (N * V * (5 * db + 16) + 2 * embed_grad_bytes) / hw.memory_bytes_per_s
     t += 20 * -(-N // max(1, loss_chunk_tokens)) * hw.kernel_overhead_s
     return t
 
@@ -433,7 +440,7 @@ class CostModel:
     embed_params: int
     head_params: int  # 0 when lm_head is tied to the embedding
     head_flops: float  # final norm + lm_head + cross entropy, forward and backward
-    head_s: float
+    head_s: float  # head forward + backward, and the embedding's backward (it has no stage of its own)
     head_ws_bytes: int  # chunked-loss working set (one chunk's logits, fp32 copy and gradient) + hidden states
     config: Any = field(default=None, repr=False)
     measured: bool = False
@@ -523,7 +530,7 @@ class CostModel:
             embed_params=embed_params,
             head_params=head_params,
             head_flops=float(head_flops),
-            head_s=head_seconds(N, d, V, dtype_bytes, loss_chunk_tokens, hardware),
+            head_s=head_seconds(N, d, V, dtype_bytes, loss_chunk_tokens, hardware, embed_params * gdb),
             head_ws_bytes=int(head_ws),
             config=config,
             serial_lanes=hardware.serial_lanes,

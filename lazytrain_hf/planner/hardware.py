@@ -26,6 +26,7 @@ the next forward.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import json
@@ -33,6 +34,7 @@ import math
 import os
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -41,11 +43,12 @@ GiB = 2**30
 TiB = 2**40
 # Compute classes of the cost model, each with its own fraction of peak (``HardwareProfile.efficiency``):
 #   gemm                dense projection / MLP GEMMs (and lm_head): ``achievable_fraction``
+#   gemm_bwd            their backward (dX = dY W and dW = dY^T X; default: the forward rate)
 #   attention           attention core forward (SDPA flash / efficient kernels, QK^T and AV)
 #   attention_bwd       attention core backward
 #   linear_attention    gated-delta-rule core (chunked delta rule: small batched matmuls, fp32 in the torch path)
 #   moe                 routed expert GEMMs (grouped GEMMs over sorted tokens)
-COMPUTE_CLASSES: tuple[str, ...] = ("gemm", "attention", "attention_bwd", "linear_attention", "moe")
+COMPUTE_CLASSES: tuple[str, ...] = ("gemm", "gemm_bwd", "attention", "attention_bwd", "linear_attention", "moe")
 
 
 def _finite(value: Any) -> bool:
@@ -149,7 +152,7 @@ class HardwareProfile:
             if key not in COMPUTE_CLASSES or key == "gemm":
                 raise ValueError(
                     f"HardwareProfile {self.name!r}: efficiency key {key!r} is not one of "
-                    f"{COMPUTE_CLASSES[1:]} (dense GEMMs use achievable_fraction); {fix}."
+                    f"{COMPUTE_CLASSES[1:]} (dense forward GEMMs use achievable_fraction); {fix}."
                 )
             if not _finite(value) or not 0 < value <= 1:
                 raise ValueError(
@@ -443,12 +446,27 @@ def get_profile(name_or_path: str | HardwareProfile) -> HardwareProfile:
 
 
 # ---------------------------------------------------------------------------------------------------- measure()
+# The clock of the compute and copy probes: wall time by default; `measure(timer=time.process_time)` counts only
+# this process's CPU time (with one thread on a shared machine, what its work costs whatever the other tenants do).
+_clock = time.perf_counter
+
+
+@contextlib.contextmanager
+def _timed_with(timer) -> Iterator[None]:
+    global _clock
+    prev, _clock = _clock, timer or time.perf_counter
+    try:
+        yield
+    finally:
+        _clock = prev
+
+
 def _median_time(fn, repeats: int) -> float:
     times = []
     for _ in range(repeats):
-        t0 = time.perf_counter()
+        t0 = _clock()
         fn()
-        times.append(time.perf_counter() - t0)
+        times.append(_clock() - t0)
     times.sort()
     return times[len(times) // 2]
 
@@ -566,6 +584,7 @@ def _measure_cpu_compute(shapes: dict[str, int], repeats: int) -> dict[str, floa
 
     - ``gemm``: FLOP/s of ``linear`` at a decoder layer's projection shapes (tokens x d -> inner, inner -> d,
       d -> d), total FLOPs over total time (not one square matmul: small-K and skinny shapes run slower);
+      ``gemm_bwd``: the input and weight gradients of the up projection;
     - ``attention`` / ``attention_bwd``: SDPA, causal, FLOPs counted as the cost model does (halved by the mask);
     - ``linear_attention`` / ``moe``: batched matmuls of the chunked delta rule ([B*H, 64, 128] x [128, 64]) and of
       grouped experts ([E, rows/E, d] x [E, d, inner/4]);
@@ -589,6 +608,16 @@ def _measure_cpu_compute(shapes: dict[str, int], repeats: int) -> dict[str, floa
 
     gemms()
     gemm = 2 * rows * d * (2 * inner + d) / _median_time(gemms, repeats)
+    gy = torch.randn(rows, inner)
+
+    def gemms_bwd() -> None:
+        # the up projection's input gradient and weight gradient (the weight gradient's transposed operand is what
+        # makes backward GEMMs slower than forward ones on CPUs)
+        gy @ w_up
+        gy.t() @ x
+
+    gemms_bwd()
+    gemm_bwd = 2 * 2 * rows * d * inner / _median_time(gemms_bwd, repeats)
 
     B = max(1, rows // t["T"])
     q = torch.randn(B, t["H"], t["T"], t["hd"], requires_grad=True)
@@ -648,6 +677,7 @@ def _measure_cpu_compute(shapes: dict[str, int], repeats: int) -> dict[str, floa
     kernel = _median_time(tiny, repeats) / (3 * n_ops)  # the model counts a forward kernel once, backward twice
     return dict(
         gemm=gemm,
+        gemm_bwd=gemm_bwd,
         attention=attention,
         attention_bwd=attention_bwd,
         linear_attention=linear,
@@ -672,6 +702,7 @@ def measure(
     micro_batch_size: int = 1,
     seq_len: int = 128,
     use_cache: bool = True,
+    timer: Any = None,
 ) -> HardwareProfile:
     """Measure this machine and return a `HardwareProfile` (a few seconds on CPU).
 
@@ -693,6 +724,9 @@ def measure(
             the new profile is written there.
         device: ``"cpu"`` or a CUDA device (default: ``"cuda"`` when available, else ``"cpu"``).
         config: an HF config (or zoo config) whose decoder layers are timed, one per layer kind.
+        timer: the clock of the compute, copy and optimizer probes (default ``time.perf_counter``); with one torch
+            thread on a shared machine ``time.process_time`` counts only this process's work. NVMe is timed by the
+            wall clock always (its time is spent waiting).
     """
     if cache_path and use_cache and os.path.isfile(cache_path):
         return HardwareProfile.from_json(cache_path)
@@ -707,23 +741,24 @@ def measure(
     if repeats < 1:
         raise ValueError(f"measure(repeats={repeats}) must be >= 1.")
 
-    h2d, d2h = _measure_copy(device, copy_bytes, repeats)
     nvme_r, nvme_w, nvme_free = _measure_nvme(nvme_dir, nvme_bytes)
-    opt_rate, opt_used = _measure_optimizer(optimizer_params, repeats, optimizer)
-    efficiency: dict[str, float] = {}
-    memory_gbps = kernel_s = 0.0
-    if device == "cpu":
-        # the CPU "device" at layer shapes: every class as a fraction of the layer-shape GEMM rate
-        rates = _measure_cpu_compute(_cpu_shapes(config, micro_batch_size, seq_len), repeats)
-        tflops = rates["gemm"] / 1e12
-        efficiency = {
-            k: min(1.0, max(1e-4, rates[k] / rates["gemm"]))
-            for k in ("attention", "attention_bwd", "linear_attention", "moe")
-        }
-        memory_gbps = rates["memory_bytes_per_s"] / GB
-        kernel_s = rates["kernel_s"]
-    else:
-        tflops = _measure_matmul(device, matmul_size or 8192, repeats)
+    with _timed_with(timer):
+        h2d, d2h = _measure_copy(device, copy_bytes, repeats)
+        opt_rate, opt_used = _measure_optimizer(optimizer_params, repeats, optimizer)
+        efficiency: dict[str, float] = {}
+        memory_gbps = kernel_s = 0.0
+        if device == "cpu":
+            # the CPU "device" at layer shapes: every class as a fraction of the layer-shape GEMM rate
+            rates = _measure_cpu_compute(_cpu_shapes(config, micro_batch_size, seq_len), repeats)
+            tflops = rates["gemm"] / 1e12
+            efficiency = {
+                k: min(1.0, max(1e-4, rates[k] / rates["gemm"]))
+                for k in ("gemm_bwd", "attention", "attention_bwd", "linear_attention", "moe")
+            }
+            memory_gbps = rates["memory_bytes_per_s"] / GB
+            kernel_s = rates["kernel_s"]
+        else:
+            tflops = _measure_matmul(device, matmul_size or 8192, repeats)
     host = int(psutil.virtual_memory().total)
     if device == "cpu":
         dev_mem = host
@@ -751,7 +786,8 @@ def measure(
         f"optimizer: {opt_used}",
     )
     if config is not None:
-        profile.layer_times = measure_layer_times(config, device, micro_batch_size, seq_len, repeats)
+        with _timed_with(timer):
+            profile.layer_times = measure_layer_times(config, device, micro_batch_size, seq_len, repeats)
         profile.layer_times_shape = [micro_batch_size, seq_len]
     if cache_path:
         profile.to_json(cache_path)
@@ -811,10 +847,10 @@ def measure_layer_times(
         for _ in range(repeats):
             _, y = fwd()
             g = torch.ones_like(y)
-            t0 = time.perf_counter()
+            t0 = _clock()
             y.backward(g)
             sync()
-            times_b.append(time.perf_counter() - t0)
+            times_b.append(_clock() - t0)
         times_b.sort()
         out[kind] = [t_f, times_b[len(times_b) // 2]]
     return out
