@@ -223,3 +223,20 @@ def test_measured_peak_rss_matches_the_footprint(tmp_path, dtype, stream_embeddi
     assert abs(save / fp["save_peak"] - 1) <= 0.10, (save, fp)
     # the save adds at most one unit's tensors (Note: [Checkpoints are streamed from the host store])
     assert r["save_hwm"] - r["before_save"] <= fp["checkpoint"] + 8 * mib, r
+
+
+@pytest.mark.gpu
+def test_pinned_store_is_registered_at_its_exact_size():
+    """On CUDA the store's compute copy and grads are page-locked (asynchronous copies) without the caching host
+    allocator: no power-of-two block is taken for them, the masters stay pageable."""
+    model = tiny_model("qwen3").to(torch.bfloat16)
+    before = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+    with attach(model, device="cuda") as handle:
+        ls = handle.store.layers[0]
+        assert ls.compute_bytes.is_pinned() and ls.grad.is_pinned() and not ls.master.is_pinned()
+        after = torch.cuda.memory.host_memory_stats().get("allocated_bytes.current", 0)
+        assert after - before < sum(x.compute_bytes.numel() for x in handle.store.layers.values())
+        dev = torch.empty(ls.nbytes, dtype=torch.uint8, device="cuda")
+        dev.copy_(ls.compute_bytes, non_blocking=True)
+        torch.cuda.synchronize()
+        assert torch.equal(dev.cpu(), ls.compute_bytes)

@@ -121,7 +121,7 @@ class _Registered:
     def __init__(self, t: torch.Tensor):
         self.ptr = t.data_ptr()
         self.nbytes = t.numel() * t.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 0)
+        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 1)  # cudaHostRegisterPortable, as torch
         if int(err) != 0:
             raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {int(err)}).")
 
