@@ -84,3 +84,43 @@ def test_fit_recovers_the_bundled_gemm_efficiency():
     assert eta == pytest.approx(get_profile("h100").achievable_fraction, rel=0.05)
     with pytest.raises(ValueError, match="calibration point 'nope'"):
         get_point("nope")
+
+
+def test_cpu_layer_times_match_measured_compute():
+    """On the CPU device the per-class terms at measured rates give a decoder layer's forward and backward time:
+    within 35% of the same layer timed (process CPU time, one thread, so other tenants of the machine do not count;
+    0.83-0.92 measured on a 2-core development machine, 2026-12-01)."""
+    import dataclasses
+    import time
+
+    import torch
+
+    transformers = pytest.importorskip("transformers")
+    from lazytrain_hf.planner.hardware import measure
+
+    cfg = transformers.AutoConfig.for_model(
+        "qwen3",
+        hidden_size=384,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        intermediate_size=1024,
+        vocab_size=1024,
+        use_cache=False,
+    )
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        prof = measure(
+            device="cpu", config=cfg, micro_batch_size=2, seq_len=256, use_cache=False, repeats=5,
+            timer=time.process_time, copy_bytes=16 << 20, nvme_bytes=4 << 20, optimizer_params=1_000_000,
+        )  # fmt: skip
+    finally:
+        torch.set_num_threads(threads)
+    measured = prof.layer_times["full_attention"]
+    cm = CostModel.from_config(cfg, dataclasses.replace(prof, layer_times={}, layer_times_shape=[]), 256, 2, 4)
+    assert cm.serial_lanes and not cm.measured
+    lc = cm.layers[0]
+    ratios = (lc.fwd_s / measured[0], lc.bwd_s / measured[1])
+    assert all(0.65 < r < 1.35 for r in ratios), (ratios, measured, prof.summary())
