@@ -163,3 +163,49 @@ def test_trace_unit():
         trace.transfer("pcie", 1, None, 0, "x")
     with pytest.raises(ValueError, match="keep_steps=-1"):
         Trace(keep_steps=-1)
+
+
+def test_warmup_times_exclude_transfers(monkeypatch):
+    """The warm-up's compute spans start once a layer's weights are bound: waiting 0.3 s for a layer's weights is
+    not counted as compute (timing the hooks' wall time, as before, would give >= 0.3 s for every layer)."""
+    import time as _time
+
+    from lazytrain_hf.streaming.engine import TransferEngine
+    from lazytrain_hf.training.planning import time_streamed_layers
+
+    model = tiny_model("qwen3", seed=1)
+    ids = torch.randint(0, model.config.vocab_size, (2, 10))
+    batch = {"input_ids": ids, "labels": ids}
+    wait_ready = TransferEngine.wait_ready
+
+    def slow_wait_ready(self, *a, **k):
+        _time.sleep(0.3)  # the compute side waits for a slow copy
+        return wait_ready(self, *a, **k)
+
+    monkeypatch.setattr(TransferEngine, "wait_ready", slow_wait_ready)
+    fwd, bwd = time_streamed_layers(model, batch, torch.device("cpu"), 2)
+    assert len(fwd) == len(bwd) == model.config.num_hidden_layers
+    assert all(0 < t < 0.15 for t in fwd + bwd), (fwd, bwd)
+
+
+def test_warmup_measures_two_batch_sizes(monkeypatch):
+    """Note: [The warm-up measures two batch sizes]: timed at 1 and 2 sequences, the time at B is the line through
+    them (never below the time at 2); no timed pass runs at the training batch."""
+    from lazytrain_hf.training import planning
+
+    seen = []
+
+    def fake(model, batch, device, passes):
+        b = int(batch["input_ids"].shape[0])
+        seen.append(b)
+        return ([0.010 * b + 0.002, 0.5], [0.030 * b + 0.001, 0.7])
+
+    monkeypatch.setattr(planning, "time_streamed_layers", fake)
+    ids = torch.zeros(6, 4, dtype=torch.long)
+    model = tiny_model("qwen3")
+    fwd, bwd = planning.measure_layer_times(model, {"input_ids": ids, "labels": ids}, torch.device("cpu"), 2)
+    assert seen == [1, 2]
+    assert fwd == pytest.approx([0.062, 0.5]) and bwd == pytest.approx([0.181, 0.7])
+    seen.clear()
+    planning.measure_layer_times(model, {"input_ids": ids[:2], "labels": ids[:2]}, torch.device("cpu"), 2)
+    assert seen == [1, 2]
