@@ -48,8 +48,10 @@ class LazyTrainingArguments(TrainingArguments):
         `rtx4090`, `cpu`), a path to a measured profile JSON, or `"auto"` (measure this machine).
     planner_gpu_budget (`int` or `str`, *optional*): device memory the plan may use, e.g. `"70GiB"`; default: the
         profile's device memory minus a 10% reserve.
-    planner_host_budget (`int` or `str`, *optional*): pinned host memory for offloaded activations; default: half
-        of the profile's host RAM.
+    planner_host_budget (`int` or `str`, *optional*): the whole host footprint the run may use (fp32 masters,
+        compute copy, gradients, optimizer state, pinned activation buffers, gradient staging, checkpoint-save
+        transient), checked before anything is allocated; default: available RAM minus a reserve (5% of RAM, at
+        least 1 GiB). The planner gives offloaded activations what the state leaves of it.
     planner_time_limit (`float`, defaults to `30`): MILP solver time limit in seconds.
     planner_mip_gap (`float`, defaults to `0.01`): relative optimality gap at which the solver stops.
     planner_solver (`str`, defaults to `"auto"`): `"cbc"`, `"highs"` or `"auto"` (HiGHS when installed).
@@ -124,7 +126,12 @@ class LazyTrainingArguments(TrainingArguments):
         },
     )
     planner_host_budget: int | str | None = field(
-        default=None, metadata={"help": "Pinned host memory for offloaded activations, e.g. '64GiB'."}
+        default=None,
+        metadata={
+            "help": "Whole host footprint the run may use (fp32 masters, compute copy, gradients, optimizer state, "
+            "pinned activation buffers, gradient staging, checkpoint-save transient), e.g. '64GiB'; default: "
+            "available RAM minus a reserve (5% of RAM, at least 1 GiB)."
+        },
     )
     planner_time_limit: float = field(default=30.0, metadata={"help": "MILP solver time limit in seconds."})
     planner_mip_gap: float = field(default=0.01, metadata={"help": "Relative MIP gap at which the solver stops."})

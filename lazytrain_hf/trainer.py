@@ -118,6 +118,7 @@ class LazyTrainer(Trainer):
                 "stream_enabled=False."
             )
         checkpoint = checkpoints.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        self.check_host_memory(None)  # the model's own state, before a warm-up or a solve allocates anything
         plan = None
         if checkpoint is not None:
             verify_checkpoint(checkpoint, self.model)
@@ -266,10 +267,15 @@ class LazyTrainer(Trainer):
         planning.check_plan_fits(plan, self.model, self.args, where=where, check_batch=check_batch)
 
     def check_host_memory(self, plan) -> None:
-        """Refuse, before anything is allocated, a run whose host store, optimizer state and pinned activation
-        buffers would not fit in the host memory available now, with the numbers and what would fit."""
+        """Refuse, before anything is allocated, a run whose whole host footprint (`planning.host_footprint`) would
+        not fit ``planner_host_budget`` (default: the available RAM minus a reserve), with every term and what would
+        fit. ``plan`` None: the default plan, checked before the warm-up and the solve allocate anything."""
         planning.check_host_memory(
-            plan, self.model, hybrid_8bit=self.args.optim_hybrid_8bit, compute_dtype=self._compute_dtype()
+            plan,
+            self.model,
+            hybrid_8bit=self.args.optim_hybrid_8bit,
+            compute_dtype=self._compute_dtype(),
+            args=self.args,
         )
 
     def _compute_dtype(self) -> torch.dtype | None:

@@ -22,21 +22,6 @@ from lazytrain_hf.streaming.store import HostStore
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 
-def _attach_takes_disk_weights() -> bool:
-    """`attach` accepts meta parameters that have a DiskSource (hooks.py's meta check asks the store)."""
-    import inspect
-
-    from lazytrain_hf.streaming import hooks
-
-    return "has_disk_source" in inspect.getsource(hooks.attach)
-
-
-needs_attach = pytest.mark.skipif(
-    not _attach_takes_disk_weights(),
-    reason="streaming.hooks.attach still refuses every meta parameter (its check must call store.has_disk_source)",
-)
-
-
 @pytest.fixture
 def saved(tmp_path):
     model = tiny_model("qwen3", seed=1)
@@ -124,7 +109,6 @@ def _train(model, out, steps=2):
     return rec.losses
 
 
-@needs_attach
 def test_training_from_disk_is_bit_exact_with_a_normal_load(saved, tmp_path):
     from transformers import AutoModelForCausalLM
 

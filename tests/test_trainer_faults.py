@@ -43,8 +43,9 @@ def test_host_memory_suggests_a_batch_that_fits(tmp_path, monkeypatch):
     tr = make_trainer(tmp_path, max_steps=1, planner_policy="default")
     plan = Plan.default(4, micro_batch_size=8)
     plan.predicted["pinned_host_bytes"] = 8 * 1_000_000  # 1 MB per sequence
-    n = sum(p.numel() for p in tr.model.parameters())
-    fixed = 4 * n + 2 * n  # fp32 grads + 8-bit optimizer state (fp32 master aliases the model's weights)
+    monkeypatch.setattr(lt, "host_reserve_bytes", lambda: 0)
+    fp = lt.host_footprint(plan, tr.model, hybrid_8bit=True, args=tr.args)
+    fixed = max(fp.total, fp.save_peak) - fp.activations  # every term but the pinned activations
     monkeypatch.setattr(lt, "_available_host_bytes", lambda: fixed + 3_500_000)
     with pytest.raises(ValueError, match=r"per_device_train_batch_size <= 3 fits"):
         tr.check_host_memory(plan)

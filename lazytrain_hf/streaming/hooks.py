@@ -45,7 +45,7 @@ from .engine import TransferEngine
 from .gradients import GradientSink
 from .loss import chunked_causal_lm_loss
 from .scheduler import FetchScheduler
-from .store import HostStore
+from .store import HostStore, has_disk_source
 from .units import EMBED_KEY, HeadUnits
 
 __all__ = ["EMBED_KEY", "RESIDENT_TRAINABLE_FRACTION", "StreamHandle", "attach", "hf_root"]
@@ -484,7 +484,7 @@ def attach(
                 "that recomputation does not replay; use LoRA or prompt tuning with streaming, or train it with "
                 "stream_enabled=False."
             )
-    if any(p.device.type == "meta" for p in model.parameters()):
+    if any(p.device.type == "meta" and not has_disk_source(p) for p in model.parameters()):
         raise ValueError("attach(model=...): the model has parameters on the meta device; load real weights first.")
     dev = _resolve_device(device)
     kinds = models.layer_kinds(root)
