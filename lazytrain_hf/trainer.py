@@ -59,6 +59,7 @@ def _untraced(handle):
     with handle.trace.paused():
         yield
 
+
 logger = logging.get_logger(__name__)
 
 

@@ -270,7 +270,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
             grads_down = max(grads_down, ge)
         tc = max(b_end, grads_down)
         rate = cm.hardware.cpu_optimizer_params_per_s
-        res_params = (0 if plan.stream_embeddings else cm.embed_params + cm.head_params)
+        res_params = 0 if plan.stream_embeddings else cm.embed_params + cm.head_params
         _, tc = lanes.run("cpu", tc, res_params / rate, "opt resident")
         opt["resident"] = tc
         for tr in per_step:

@@ -153,7 +153,6 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         layers = models.decoder_layers(self.root)
         self.num_layers = len(layers)
         self._schedule = plan.issue_schedule()
-        L = self.num_layers
         # stage at which the backward fetch of layer i is issued (or None for resident layers)
         self._bwd_issue = {lp.index: plan.bwd_issue_stage(lp.index) for lp in plan.layers}
 

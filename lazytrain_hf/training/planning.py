@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import time
 from typing import Any
 
 import torch
@@ -106,7 +105,13 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     attn = attention_cost_class(config)
     common = dict(loss_chunk_tokens=a.stream_loss_chunk_tokens, attn_implementation=attn)
     measured = None
-    if a.planner_warmup_steps > 0:
+    if a.planner_warmup_steps > 0 and _weights_on_disk(model):
+        logger.warning(
+            "LazyTrain planner: the model's decoder layers are still on disk (lazytrain_hf.from_pretrained); the "
+            "timed warm-up would read every layer into RAM before the host store is built, so layer times come "
+            "from the hardware profile. Pass a profile measured on this machine (planner_hardware) for better ones."
+        )
+    elif a.planner_warmup_steps > 0:
         measured = measure_layer_times(model, batch, a.device, a.planner_warmup_steps)
     nvme_budget = 0
     if "nvme" in a.activation_tiers and a.activation_nvme_dir:
@@ -170,7 +175,11 @@ def predict_bytes(
     from ..planner import schedule
 
     offload = None
-    if batch is not None and any(lp.policy.startswith("offload") for lp in plan.layers):
+    if (
+        batch is not None
+        and any(lp.policy.startswith("offload") for lp in plan.layers)
+        and not _weights_on_disk(model)
+    ):
         offload = measure_offload_bytes(model, batch, args.device, compute_dtype)
     sizes = schedule.sizes_from_model(
         model, plan, compute_dtype=compute_dtype, device=args.device, offload_bytes=offload
@@ -178,6 +187,14 @@ def predict_bytes(
     out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)))
     plan.predicted["bytes_per_step"] = out
     return out
+
+
+def _weights_on_disk(model: torch.nn.Module) -> bool:
+    """Some parameters are still on disk (`lazytrain_hf.from_pretrained`): a pass before the real attach would
+    materialise them all."""
+    from ..streaming.store import has_disk_source
+
+    return any(has_disk_source(p) for p in model.parameters())
 
 
 def measure_offload_bytes(
