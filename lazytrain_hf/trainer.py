@@ -100,6 +100,7 @@ class LazyTrainer(Trainer):
         self._plan_from_file = False
         self._best_pending = False
         self._previous_optimizer: torch.optim.Optimizer | None = None
+        self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
 
     # ------------------------------------------------------------------ train()
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
@@ -346,7 +347,7 @@ class LazyTrainer(Trainer):
         import torch.distributed as dist
 
         world = dist.get_world_size()
-        group = getattr(self, "_dp_host_group", None) if layer != -1 else None
+        group = self._dp_host_group if layer != -1 else None
         in_place = [g.dtype == torch.float32 and (len(grads) == 1 or g.numel() >= 1 << 16) for g in grads]
         low = [g for g, keep in zip(grads, in_place) if not keep]
         for g, keep in zip(grads, in_place):

@@ -24,7 +24,7 @@ from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 
-LAZYTRAIN_FILES = ("lazytrain_plan.json", "lazytrain_timeline.png", "lazytrain_master.safetensors")
+LAZYTRAIN_FILES = ("lazytrain_plan.json", "lazytrain_timeline.png", "lazytrain_master.safetensors", "lazytrain_trace.json")
 
 
 class Events(TrainerCallback):

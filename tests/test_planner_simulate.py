@@ -1,5 +1,5 @@
 """Simulator as referee: for zoo models on h800 / h200 / rtx3090 at seq 1024 the MILP plan simulates no slower than
-any feasible baseline (1% slack) and the MILP's prediction agrees with the simulation within 5%; the simulation
+any feasible baseline (beyond the two plans' model-vs-simulation errors) and the MILP's prediction agrees with the simulation within 5%; the simulation
 replays the executor's own transfer schedule (`lazytrain_hf.planner.schedule`); baselines and timeline."""
 
 from __future__ import annotations
@@ -34,9 +34,11 @@ def check_against_baselines(name: str, hw: str, batch: int) -> None:
             continue
         compared += 1
         bsim = simulate(bp, cm)
-        # the MILP optimises the stage model (exact for baselines' points too); replayed, two plans that tie there may
-        # swap by a little: 1% slack, well inside the model's stated 5% agreement with the simulation
-        assert sim.step_time_s <= bsim.step_time_s * 1.01, (name, hw, b, sim.step_time_s, bsim.step_time_s)
+        # the MILP is optimal under the stage model, where every baseline is a feasible point; replayed, each plan's
+        # time moves by its own model-vs-simulation error, so two plans that (nearly) tie in the model may swap by
+        # at most the sum of the two errors
+        slack = abs(pred - sim.step_time_s) + abs(bp.predicted["step_time_s"] - bsim.step_time_s)
+        assert sim.step_time_s <= bsim.step_time_s + slack + 1e-12, (name, hw, b, sim.step_time_s, bsim.step_time_s)
     assert compared >= 1
 
 

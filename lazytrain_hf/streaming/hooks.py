@@ -124,8 +124,16 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.resident_guard: Callable[[], None] | None = None
         # Called as grad_reducer(layer, grads) on a layer's complete device gradients (one tensor per trainable
         # parameter, in a fixed order, zeros where a parameter got none) before their norm is taken and they are
-        # offloaded: data parallel all-reduces here, so norms and host accumulators see the reduced gradient.
+        # offloaded. The trainer uses `host_grad_reducer` instead (Note: [Data parallel reduces the host
+        # accumulators once per step] in gradients.py): once per optimizer step, on the host fp32 accumulators.
         self.grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
+        self.host_grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
+        # whether the micro-batch in progress is the last of its optimizer step (bool or a callable): only then are
+        # host norms taken and accumulators reduced (gradients.py); standalone use: every backward is a step
+        self.last_micro_batch: bool | Callable[[], bool] = True
+        # fetch_ready(layer): may a prefetch read the layer's host compute copy now (its update is done)? A prefetch
+        # that may not is deferred; Note: [A prefetch never waits for the optimizer] in scheduler.py
+        self.fetch_ready: Callable[[int], bool] | None = None
         self._hooks: list[RemovableHandle] = []
         self._names = {id(p): n for n, p in model.named_parameters()}
         self._removed = False
