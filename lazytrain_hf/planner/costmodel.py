@@ -280,6 +280,10 @@ _KERNELS_MOE = 25
 # the fp32 delta-rule elementwise work of each layer kind through one audited figure.
 MEMORY_PASSES_FWD = 2.0
 MEMORY_PASSES_BWD = 3.0
+# Backward also passes over the layer's weight gradients twice: written (accumulated) as the weight-gradient GEMMs
+# finish, read by the per-layer squared norm taken on the device (optim/clip.py). On a GPU this is ~0.1% of a
+# layer's backward; on the CPU (fp32, skinny GEMMs) ~10%, the gap the other terms leave to the timed layers.
+WEIGHT_GRAD_PASSES = 2.0
 
 
 def layer_compute_terms(
@@ -290,7 +294,8 @@ def layer_compute_terms(
 
     Returns:
         ``{"gemm", "attention", "linear_attention", "moe"}``: forward FLOPs of each class (backward is 2x);
-        ``"memory_fwd"`` / ``"memory_bwd"``: bytes of memory-bound passes (``MEMORY_PASSES_* x A``);
+        ``"memory_fwd"`` / ``"memory_bwd"``: bytes of memory-bound passes (``MEMORY_PASSES_* x A``; backward adds
+        ``WEIGHT_GRAD_PASSES x`` the layer's gradient bytes in ``db``);
         ``"kernels"``: eager kernels of the forward.
     """
     m = _dims(config)
@@ -333,7 +338,7 @@ def layer_compute_terms(
         "linear_attention": float(linear),
         "moe": float(experts),
         "memory_fwd": MEMORY_PASSES_FWD * A,
-        "memory_bwd": MEMORY_PASSES_BWD * A,
+        "memory_bwd": MEMORY_PASSES_BWD * A + WEIGHT_GRAD_PASSES * layer_param_count(config, kind) * db,
         "kernels": float(kernels),
     }
 
