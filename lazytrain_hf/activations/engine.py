@@ -214,6 +214,13 @@ class ActivationEngine:
         self._closed = False
 
     # ------------------------------------------------------------------ checks
+    def wait_offloaded(self, layer: int) -> None:
+        """The compute side waits until every offload copy of ``layer``'s saved tensors left the device (Note: [Two
+        stages of copies in flight] in streaming/engine.py); a no-op when nothing of it is in flight."""
+        ev = self._tiers.offload_events.pop(layer, None)
+        if ev is not None and self._tiers.lanes is not None:
+            self._tiers.lanes.compute_wait(ev)
+
     def set_trace(self, trace: Any) -> None:
         """Record every copy and disk transfer in the executor's `Trace` (lazytrain_hf.streaming.trace)."""
         self._tiers.trace = trace

@@ -107,6 +107,7 @@ class TierContext:
         self.inflight: deque[tuple[Any, torch.Tensor, int | None]] = deque()  # (event, source, acct key)
         self.layer_bytes: dict[int, dict[str, int]] = {}
         self.trace: Any = None  # the executor's `Trace` (lazytrain_hf.streaming.trace), when attached to one
+        self.offload_events: dict[int, Any] = {}  # layer -> its last D2H offload copy (one lane: FIFO)
 
     def record(self, lane: str, nbytes: int, dtype: Any, layer: int | None, what: str) -> None:
         if self.trace is not None:
@@ -221,6 +222,7 @@ class Tier:
             key, _ = ctx.acct.add_storage(t)
             ctx.inflight.append((ev, t, key))
             entry.copy_event = ev
+            ctx.offload_events[layer] = ev  # Note: [Two stages of copies in flight] (streaming/engine.py)
         else:
             host.copy_(src)
         ctx.acct.add("cpu", nbytes)

@@ -12,7 +12,8 @@ what it depends on has finished:
 - a layer's compute waits for its weights (the fetch issued for that stage, or the one it kept bound), its
   reloads and, for a block's top layer, the block's recomputation fetches; offloads (D2H, then the NVMe write) start
   when the forward that produced them ends, gradients when the backward ends; a reload waits for its offload
-  (and NVMe read);
+  (and NVMe read); ``F_i`` waits for the offload of ``F_{i-2}`` and ``B_i`` for the gradients of ``B_{i+2}``
+  (Note: [Two stages of copies in flight] in streaming/engine.py);
 - the CPU optimizer starts once backward ended and every gradient is on the host (the global norm), updates the
   parameters that are not streamed first, then the units in order, each followed by its upload (resident slots);
   with ``optimizer_overlap`` the next step starts at once, else after the last update and upload.
@@ -193,7 +194,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
                     host.append((e, -tr.nbytes))
             if s < L:  # ---- forward of layer s
                 i, lc, lp = s, cm.layers[s], plan.layers[s]
-                need = [land.get(("fetch_fwd", i), 0.0)]
+                # Note: [Two stages of copies in flight] (streaming/engine.py): F_i waits for the offload of F_{i-2}
+                need = [land.get(("fetch_fwd", i), 0.0), done.get(("offload", i - 2), 0.0)]
                 if i == 0:
                     need += [prev_opt.get("resident", 0.0), land.get(("fetch_fwd", -1), 0.0)]
                 if lp.resident:
@@ -222,13 +224,15 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
                 free(end, cm.head_ws_bytes)
                 for tr in after_compute.get((L, "H"), []):
                     _, ge = move(tr, end)
+                    done[("grad", L)] = ge
                     grads_down = max(grads_down, ge)
                 free(max(end, grads_down), cm.head_grad_bytes)
                 t = end
                 continue
             i = 2 * L - s  # ---- backward of layer i (recomputation included)
             lc, lp = cm.layers[i], plan.layers[i]
-            need = [land.get(("fetch_bwd", i), 0.0), land.get(("reload", i), 0.0)]
+            # ... and B_i for the gradients of B_{i+2} (the head's for B_{L-2})
+            need = [land.get(("fetch_bwd", i), 0.0), land.get(("reload", i), 0.0), done.get(("grad", i + 2), 0.0)]
             dur = lc.bwd_s
             if K == 1 and lp.policy == "recompute":
                 dur += lc.fwd_s
@@ -254,6 +258,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
             g_end = end
             for tr in after_compute.get((i, "B"), []):
                 _, g_end = move(tr, end)
+                done[("grad", i)] = g_end
             free(g_end, lc.grad_bytes)
             grads_down = max(grads_down, g_end)
             t = end

@@ -105,6 +105,7 @@ class CompletionTracker:
         st.bwd_started = True
         self._run_stages(2 * self.num_layers - i)
         self._bind(i)
+        self.engine.wait_grads_down(i + 2)  # Note: [Two stages of copies in flight] in engine.py
         if self.plan.checkpoint_every > 1:
             # the top layer of a checkpointed block: the block is recomputed now, before its backward
             self.activations.begin_backward(i)

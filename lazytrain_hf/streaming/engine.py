@@ -65,6 +65,15 @@ Note: [Gradients cross in their own dtype]
     consumed them, so pinned staging stays bounded. Test: ``tests/test_trace.py`` (bytes and dtype of every
     gradient transfer of a bf16 model).
 
+Note: [Two stages of copies in flight]
+    Offloads and gradients leave the device on the D2H lane while compute goes on; if that lane is slower than
+    compute, their sources would pile up on the device. The forward of layer ``i`` therefore waits (on the device,
+    not the host) for the offload copies of layer ``i - 2``, and the backward stage of layer ``i`` for the gradient
+    copies of layer ``i + 2`` (the head unit's for ``L - 2``): at most two stages of copies are in flight, the
+    memory and time the planner's stage model charges (a copy issued after stage ``s`` occupies stage ``s + 1``).
+    Test: ``tests/test_trace.py::test_copies_in_flight_are_bounded`` (the simulator and the stage model then agree
+    on peak memory).
+
 Every copy is recorded in the handle's trace (`lazytrain_hf.streaming.trace`), and so is every point where the
 training thread blocks on device work (``Trace.host_sync``).
 """
@@ -132,6 +141,7 @@ class TransferEngine:
         self.by_ptr: dict[int, Slot] = {}
         self.grown: dict[str, int] = {}
         self._host_read: dict[int, torch.cuda.Event] = {}
+        self._grad_events: dict[int, Any] = {}  # layer -> its last gradient D2H copy (Note: [Two stages of ...])
         self._pending: list[torch.cuda.Event] = []
         self._worker: _HostWorker | None = _HostWorker() if self.is_async else None
         self.fetch_count = 0
@@ -317,6 +327,8 @@ class TransferEngine:
             lane.hold(dev)  # Note: [Gradient memory outlives its D2H copy]
         # the gradients were produced on the compute stream
         ev = lane.copy_all(copies, after_compute=True) if copies else None
+        if ev is not None and layer is not None:
+            self._grad_events[layer] = ev
         if not staged and after is None:
             if ev is not None:
                 self._pending.append(ev)
@@ -341,6 +353,13 @@ class TransferEngine:
 
         self._worker.submit(work)
 
+    def wait_grads_down(self, layer: int) -> None:
+        """The compute side waits until ``layer``'s gradient copies left the device (Note: [Two stages of copies in
+        flight]); a no-op when none is in flight."""
+        ev = self._grad_events.pop(layer, None)
+        if ev is not None:
+            self.lanes.compute_wait(ev)
+
     def synchronize(self) -> None:
         """Wait for every pending copy and host-side accumulation (no-op for synchronous CPU copies)."""
         if not self.is_async:
@@ -351,6 +370,7 @@ class TransferEngine:
             ev.synchronize()
         self._pending.clear()
         self._worker.drain()
+        self._grad_events.clear()
         # A fetch whose layer computed since has been read: the compute waited for it, and the gradient copies just
         # waited for are ordered after that compute. Forgetting those events (a non-blocking query) spares the
         # optimizer a host synchronisation per layer in `wait_host_reads`.

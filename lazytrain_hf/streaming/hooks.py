@@ -227,6 +227,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 self.fetch_guard(i)
             self.engine.wait_ready(st.slot)  # Note: [Compute waits for the H2D event]
         self._bind(i)
+        if self._grad_step and i >= 2:
+            self.activations.wait_offloaded(i - 2)  # Note: [Two stages of copies in flight] in engine.py
         self._span_start[("forward", i)] = self.trace.mark()  # the weights are there: pure compute from here
         if self._grad_step and torch.is_grad_enabled():
             step = self._step_id
