@@ -478,8 +478,13 @@ class ActivationEngine:
             ctx = self._stack.pop()
             if ctx.hooks is not None:
                 ctx.hooks.__exit__(None, None, None)
-        if self._tiers.lanes is not None:
-            self._tiers.host_sync("activations: end of step waits for the copy lanes")
+        # Note: [The end of a step does not block the host]: pool buffers carry the event of their last copy (Note:
+        # [Pool buffers carry their last copy]), released reloads free behind their copy, offload sources are dropped
+        # behind theirs (Note: [Offload sources are dropped behind their copy]); only the spill files, removed
+        # below, need their reads and writes finished on the host first
+        spilled = self._nvme is not None and any(lp.tier == "nvme" for lp in self.plan.layers)
+        if spilled and self._tiers.lanes is not None:
+            self._tiers.host_sync("activations: end of step waits for the copy lanes before removing spill files")
             self._tiers.lanes.synchronize()
         if self._nvme is not None:
             self._nvme.wait_io()
