@@ -454,11 +454,22 @@ def section_profile(device: torch.device, dry_run: bool, out_dir: str) -> dict[s
 
 def calibrated_profile(base, fwd: list[float], bwd: list[float], cm) -> tuple[Any, float]:
     """``base`` with ``achievable_fraction`` set from measured layer times: decoder-layer FLOP/s over the matmul
-    peak (clamped to (0, 1])."""
+    peak (clamped to (0, 1]). The measured time already holds the memory-bound passes and kernel costs, so the
+    profile's per-class terms (``efficiency``, ``memory_gbps``, ``kernel_overhead_s``) are dropped: one fitted rate,
+    nothing counted twice."""
     flops = 3 * sum(lc.flops_fwd for lc in cm.layers)
     rate = flops / max(sum(fwd) + sum(bwd), 1e-12)
     eta = min(1.0, max(1e-3, rate / (base.peak_tflops * 1e12)))
-    return dataclasses.replace(base, achievable_fraction=eta, layer_times={}, layer_times_shape=[]), eta
+    calibrated = dataclasses.replace(
+        base,
+        achievable_fraction=eta,
+        layer_times={},
+        layer_times_shape=[],
+        efficiency={},
+        memory_gbps=0.0,
+        kernel_overhead_s=0.0,
+    )
+    return calibrated, eta
 
 
 # ---------------------------------------------------------------------------------------------------- section 4

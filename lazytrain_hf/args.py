@@ -45,7 +45,7 @@ class LazyTrainingArguments(TrainingArguments):
     planner_policy (`str`, defaults to `"milp"`): `"milp"` solves the plan; a baseline name (`"megatrain"`,
         `"keep_all"`, `"all_recompute"`, `"cpu_offload_inputs"`) or `"default"` uses that fixed plan.
     planner_hardware (`str`, defaults to `"auto"`): bundled profile name (`h800`, `h200`, `a100-80g`, `rtx3090`,
-        `rtx4090`, `cpu`), a path to a measured profile JSON, or `"auto"` (measure this machine).
+        `rtx4090`, `h100`, `cpu`), a path to a measured profile JSON, or `"auto"` (measure this machine).
     planner_gpu_budget (`int` or `str`, *optional*): device memory the plan may use, e.g. `"70GiB"`; default: the
         profile's device memory minus a 10% reserve.
     planner_host_budget (`int` or `str`, *optional*): the whole host footprint the run may use (fp32 masters,
@@ -115,7 +115,7 @@ class LazyTrainingArguments(TrainingArguments):
     planner_hardware: str = field(
         default="auto",
         metadata={
-            "help": "Hardware profile: bundled name (h800, h200, a100-80g, rtx3090, rtx4090, cpu), JSON path, "
+            "help": "Hardware profile: bundled name (h800, h100, h200, a100-80g, rtx3090, rtx4090, cpu), JSON path, "
             "or 'auto' to measure this machine."
         },
     )

@@ -67,7 +67,7 @@ def _tiers(text: str) -> tuple[str, ...]:
 def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", required=True, help="zoo name (e.g. qwen2.5-7b) or path to an HF config.json / dir")
     p.add_argument(
-        "--hardware", required=True, help="bundled profile (h800, h200, a100-80g, rtx3090, rtx4090, cpu) or JSON"
+        "--hardware", required=True, help="bundled profile (h800, h100, h200, a100-80g, rtx3090, rtx4090, cpu) or JSON"
     )
     p.add_argument("--seq-len", type=int, required=True, help="tokens per sequence")
     p.add_argument("--gpu-budget", type=_budget("--gpu-budget"), default=None, help="e.g. 70GiB (default: 90%% of it)")

@@ -214,7 +214,20 @@ def _build(
         return pulp.LpAffineExpression(list(coef.items()), constant=const * scale)
 
     # ------------------------------------------------------------------ [Constraint] lanes overlap within a stage
+    # Note: [Serial lanes on the CPU device] (hardware.py): copies run on the cores that compute, so a stage lasts
+    # its compute plus every copy issued in it, and the optimizer overlaps nothing
+    serial = bool(getattr(cm, "serial_lanes", False))
     for s in range(S):
+        if serial:
+            lanes_sum = (
+                expr(comp[s], 1.0, const_comp[s])
+                + expr(h2d[s], 1 / Bh, const_h2d[s])
+                + expr(d2h[s], 1 / Bd, const_d2h[s])
+                + expr(nvr[s], 1 / Bnr)
+                + expr(nvw[s], 1 / Bnw)
+            )
+            prob += T[s] >= lanes_sum, f"serial_lanes_{s}"
+            continue
         prob += T[s] >= expr(od[s], 1 / Bh) + expr(comp[s], 1.0, const_comp[s]), f"compute_after_ondemand_{s}"
         prob += T[s] >= expr(h2d[s], 1 / Bh, const_h2d[s]), f"h2d_lane_{s}"
         prob += T[s] >= expr(d2h[s], 1 / Bd, const_d2h[s]), f"d2h_lane_{s}"
@@ -225,6 +238,8 @@ def _build(
     c_emb, c, c_all = _optimizer_finish_times(cm)
     emb_up = c_emb + cm.embed_bytes / Bh
     prob += T_tail >= emb_up, "tail_embedding_upload"
+    if serial:
+        prob += T_tail >= c_all + cm.embed_bytes / Bh, "serial_tail_whole_optimizer_step"
     # [Constraint] a fetch for the next forward waits for its layer's update (optimizer overlaps the next forward)
     for i in range(L):
         for a, (ys, yr) in yF[i].items():

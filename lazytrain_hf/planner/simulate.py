@@ -18,7 +18,7 @@ what it depends on has finished:
   parameters that are not streamed first, then the units in order, each followed by its upload (resident slots);
   with ``optimizer_overlap`` the next step starts at once, else after the last update and upload.
 - On a profile with ``serial_lanes`` (the CPU device: copies are memcpy on the cores that compute) every transfer
-  runs on the compute lane.
+  and the optimizer run on the compute lane, and the next step starts after the optimizer step.
 
 Device memory is allocated when a transfer is issued or a compute starts and released when the last reader ends.
 Three steps are replayed; the step time is the period of the last one (end of ``B_0`` to end of ``B_0``).
@@ -275,8 +275,9 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
             grads_down = max(grads_down, ge)
         tc = max(b_end, grads_down)
         rate = cm.hardware.cpu_optimizer_params_per_s
+        opt_lane = "compute" if serial else "cpu"  # serial lanes: the optimizer runs on the cores that compute
         res_params = 0 if plan.stream_embeddings else cm.embed_params + cm.head_params
-        _, tc = lanes.run("cpu", tc, res_params / rate, "opt resident")
+        _, tc = lanes.run(opt_lane, tc, res_params / rate, "opt resident")
         opt["resident"] = tc
         for tr in per_step:
             if tr.what == "upload" and tr.layer is None:
@@ -286,7 +287,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
         last = tc
         for key in order:
             n = cm.embed_params if key == -1 else cm.head_params if key == L else cm.layers[key].params
-            _, tc = lanes.run("cpu", tc, n / rate, f"opt {key}")
+            _, tc = lanes.run(opt_lane, tc, n / rate, f"opt {key}")
             opt[key] = tc
             last = tc
             for tr in per_step:
@@ -295,7 +296,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
                     opt[("upload", key)] = ue
                     last = max(last, ue)
         prev_opt = opt
-        step_begin = b_end if plan.optimizer_overlap else max(last, opt["resident"])
+        step_begin = b_end if plan.optimizer_overlap and not serial else max(last, opt["resident"])
 
     # ---- measurements on the last step
     t0, t1 = b0_end[-2], b0_end[-1]

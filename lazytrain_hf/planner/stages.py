@@ -253,13 +253,19 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     if cm.head_bytes and L >= 1:
         h2d[L - 1] += cm.head_bytes
     fixed = cm.fixed_device_bytes
-    stage_times = [max(od[s] / Bh + comp[s], h2d[s] / Bh, d2h[s] / Bd, nvr[s] / Bnr + nvw[s] / Bnw) for s in range(S)]
+    if getattr(cm, "serial_lanes", False):
+        # Note: [Serial lanes on the CPU device] (hardware.py): copies run on the cores that compute
+        stage_times = [comp[s] + h2d[s] / Bh + d2h[s] / Bd + nvr[s] / Bnr + nvw[s] / Bnw for s in range(S)]
+    else:
+        stage_times = [
+            max(od[s] / Bh + comp[s], h2d[s] / Bh, d2h[s] / Bd, nvr[s] / Bnr + nvw[s] / Bnw) for s in range(S)
+        ]
     # ---- tail: last gradients down, optimizer in layer order, embedding (+ pre-step fetches) up
     c_emb, c, c_all = _optimizer_finish_times(cm)
     prefix = [0.0]
     for t in stage_times:
         prefix.append(prefix[-1] + t)
-    if plan.optimizer_overlap:
+    if plan.optimizer_overlap and not getattr(cm, "serial_lanes", False):
         tail = c_emb + cm.embed_bytes / Bh
         for sigma, i in release:
             tail = max(tail, c[i] - prefix[sigma])
