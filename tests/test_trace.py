@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 import tempfile
+from collections import Counter
 
 import pytest
 import torch
@@ -241,3 +242,36 @@ def test_copies_in_flight_are_bounded(async_engine, monkeypatch):
         handle.remove()
     assert len(seen) == 8 and per_layer > 0
     assert max(seen) <= 3 * per_layer, (max(seen) / per_layer, seen)
+
+
+@pytest.mark.sync_engine
+@settings(**{**_SETTINGS, "max_examples": 12})
+@given(cases())
+def test_issue_order_follows_the_schedule(case):
+    """On the synchronous engine with no optimizer overlap (no fetch is deferred: the pool holds the plan's
+    depth), every weight fetch and reload of a step is issued in the stage `schedule.step_transfers` names, in that
+    order: the simulator replays what the executor does."""
+    from lazytrain_hf.planner import schedule
+
+    model_type, plan, ga, dtype = case
+    plan.optimizer_overlap = False
+    trace, written = traced_run(model_type, plan, 1, dtype)
+    expected = [
+        (t.stage, t.layer, "reload" if t.what == "reload" else "fetch")
+        for t in schedule.step_transfers(plan, schedule.sizes_from_model(tiny_model(model_type).to(dtype), plan))
+        if t.lane == "h2d" and t.what in ("fetch_fwd", "fetch_bwd", "fetch_rec", "reload")
+    ]
+    for s in trace["steps"]:
+        got = [
+            (t["stage_issued"], t["layer"], t["what"])
+            for t in s["transfers"]
+            if t["lane"] == "h2d" and t["what"] in ("fetch", "reload")
+        ]
+        assert sorted(got, key=lambda x: x[0]) == got, "issued out of stage order"
+        # a reload is one copy per saved tensor of the layer, a fetch one copy per layer
+        got = [g for g in got if g[2] == "fetch"] + sorted({g for g in got if g[2] == "reload"}, key=str)
+        extra, missing = Counter(got) - Counter(expected), Counter(expected) - Counter(got)
+        assert not extra and not missing, (
+            f"{model_type}: issued (stage, layer, what) differ from the schedule: only in the trace {dict(extra)}, "
+            f"only in the schedule {dict(missing)}\nplan:\n{plan.table()}"
+        )

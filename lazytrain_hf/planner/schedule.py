@@ -126,7 +126,9 @@ def step_transfers(plan: Plan, sizes: StepBytes) -> list[Transfer]:
             up = sizes.upload[i] if sizes.upload is not None else (u.weight if u.grad else 0)
             add("h2d", "upload", i, up, tail, per_step=True)
         elif u.weight:
-            add("h2d", "fetch_fwd", i, u.weight, fetch_stage[("fetch_fwd", i)])
+            # a backward fetch issued before the forward one (a deep backward prefetch of the last layers) is the
+            # forward's too: the layer then stays bound to its backward
+            add("h2d", "fetch_fwd", i, u.weight, min(fetch_stage[("fetch_fwd", i)], plan.bwd_issue_stage(i)))
             rec, bwd = plan.block_fetches(i)
             if rec:
                 add("h2d", "fetch_rec", i, u.weight, 2 * L - plan.block_top(i))

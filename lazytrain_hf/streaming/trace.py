@@ -126,7 +126,8 @@ class Trace:
                         "dtype": _dtype_name(dtype),
                         "layer": layer,
                         "what": what,
-                        "stage_issued": self.stage,
+                        # before F_0 (the embedding's forward) is stage 0's start
+                        "stage_issued": max(self.stage, 0),
                     }
                 )
 
@@ -140,7 +141,7 @@ class Trace:
                 return
             for t in reversed(s["transfers"]):
                 if t["layer"] == layer and t["what"] == what and "stage_waited" not in t:
-                    t["stage_waited"] = self.stage
+                    t["stage_waited"] = max(self.stage, 0)
                     return
 
     def host_sync(self, reason: str, step: int | None = None) -> None:
