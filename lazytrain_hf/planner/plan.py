@@ -171,8 +171,8 @@ class Plan:
         """Transfers to issue at the start of each stage: ``{stage_index: [(what, layer), ...]}``.
 
         ``what`` is ``"fetch_fwd"``, ``"fetch_bwd"`` or ``"reload"``. A transfer whose offset reaches before
-        stage 0 is issued at stage 0; a reload is issued no earlier than its data can be back on the host (two
-        stages after the layer's forward for the cpu tier, four for nvme, as the stage model allows); resident
+        stage 0 is issued at stage 0; a reload no earlier than the stage after the layer's forward (before it there
+        is nothing to reload; the planner's stage model allows it from two stages after, four for nvme); resident
         layers issue no fetches; layers whose saved tensors stay on the device issue no reloads. Within a stage,
         transfers are ordered by the stage that needs them.
         """
@@ -189,9 +189,9 @@ class Plan:
                 add(f_stage, lp.fetch_fwd_ahead, "fetch_fwd", lp.index)
                 add(b_stage, lp.fetch_bwd_ahead, "fetch_bwd", lp.index)
             if lp.tier != "gpu":
-                # not before the saved tensors have left: the D2H after F_i (cpu), the NVMe write one stage later
-                earliest = lp.index + (2 if lp.tier == "cpu" else 4)
-                ahead = max(0, min(lp.reload_ahead, b_stage - earliest))
+                # not before the layer's forward: only then is there anything to reload (the reload itself waits
+                # for its offload copy, and an NVMe read for its write)
+                ahead = max(0, min(lp.reload_ahead, b_stage - (lp.index + 1)))
                 add(b_stage, ahead, "reload", lp.index)
         return {s: [(w, i) for _, w, i in sorted(v)] for s, v in sorted(out.items())}
 
