@@ -130,7 +130,7 @@ class LazyTrainingArguments(TrainingArguments):
         metadata={
             "help": "Whole host footprint the run may use (fp32 masters, compute copy, gradients, optimizer state, "
             "pinned activation buffers, gradient staging, checkpoint-save transient), e.g. '64GiB'; default: "
-            "available RAM minus a reserve (5% of RAM, at least 1 GiB)."
+            "available RAM minus a reserve (5 percent of RAM, at least 1 GiB)."
         },
     )
     planner_time_limit: float = field(default=30.0, metadata={"help": "MILP solver time limit in seconds."})
