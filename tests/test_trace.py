@@ -275,3 +275,22 @@ def test_issue_order_follows_the_schedule(case):
             f"{model_type}: issued (stage, layer, what) differ from the schedule: only in the trace {dict(extra)}, "
             f"only in the schedule {dict(missing)}\nplan:\n{plan.table()}"
         )
+
+
+@pytest.mark.parametrize("stream_embeddings", [False, True])
+def test_cost_model_bytes_are_the_models_up_to_padding(stream_embeddings):
+    """`lazytrain plan`'s bytes_per_step (analytic cost model) against the exact one for a real model: the same
+    transfers, weights differing only by the host store's 256-byte alignment of each parameter, and nothing counted
+    twice when the embedding and head are streamed units."""
+    from lazytrain_hf.planner import schedule
+    from lazytrain_hf.planner.costmodel import CostModel
+
+    model = tiny_model("qwen3", seed=1)
+    kinds = models.layer_kinds(model.config)
+    plan = keep_all_plan(kinds, stream_embeddings=stream_embeddings, loss_chunk_tokens=1024)
+    cm = CostModel.from_config(model.config, "h800", plan.seq_len, plan.micro_batch_size, dtype_bytes=4)
+    exact = schedule.bytes_per_step(plan, schedule.sizes_from_model(model, plan, device="cuda"))
+    approx = schedule.bytes_per_step(plan, schedule.sizes_from_cost_model(cm, stream_embeddings))
+    n_params = sum(1 for _ in model.parameters())
+    assert approx["d2h"] == exact["d2h"]
+    assert 0 <= exact["h2d"] - approx["h2d"] <= 2 * 256 * n_params, (exact, approx)

@@ -171,13 +171,16 @@ def bytes_per_step(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: in
 
 
 # ---------------------------------------------------------------------------------------------- sizes
-def sizes_from_cost_model(cm: Any) -> StepBytes:
-    """`StepBytes` from the analytic `CostModel` (weights without the store's alignment padding)."""
+def sizes_from_cost_model(cm: Any, stream_embeddings: bool = False) -> StepBytes:
+    """`StepBytes` from the analytic `CostModel` (weights without the store's alignment padding). With
+    ``stream_embeddings`` the embedding and head are streamed units, else parameters that are not streamed."""
     layers = [UnitBytes(lc.weight_bytes, lc.grad_bytes, lc.saved_bytes, lc.input_bytes) for lc in cm.layers]
+    embed = UnitBytes(cm.embed_bytes, cm.embed_grad_bytes)
+    head = UnitBytes(cm.head_bytes, cm.head_grad_bytes)
+    if stream_embeddings:
+        return StepBytes(layers=layers, embed=embed, head=head, tied=not cm.head_bytes)
     return StepBytes(
         layers=layers,
-        embed=UnitBytes(cm.embed_bytes, cm.embed_grad_bytes),
-        head=UnitBytes(cm.head_bytes, cm.head_grad_bytes),
         tied=not cm.head_bytes,
         resident_grad=cm.embed_grad_bytes + cm.head_grad_bytes,
         resident_upload=cm.embed_bytes + cm.head_bytes,

@@ -125,7 +125,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
         raise ValueError(f"steps={steps} must be >= 2 (the step time is a period between two steps).")
     serial = bool(getattr(cm, "serial_lanes", False))
     bw = {"h2d": cm.h2d, "d2h": cm.d2h, "nvme_read": cm.nvme_r, "nvme_write": cm.nvme_w}
-    transfers = step_transfers(plan, sizes_from_cost_model(cm))
+    transfers = step_transfers(plan, sizes_from_cost_model(cm, plan.stream_embeddings))
     issued: dict[int, list] = {}
     after_compute: dict[tuple[int, str], list] = {}  # transfers that start when a compute ends
     per_step = [t for t in transfers if t.per_step]

@@ -292,7 +292,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         peak_host_bytes=int(cm.host_state_bytes + pinned),
         tflops=cm.model_flops / step / 1e12,
         tokens_per_s=cm.tokens / step,
-        bytes_per_step=bytes_per_step(plan, sizes_from_cost_model(cm)),
+        bytes_per_step=bytes_per_step(plan, sizes_from_cost_model(cm, plan.stream_embeddings)),
     )
 
 
