@@ -61,8 +61,9 @@ Note: [Gradients cross in their own dtype]
     PCIe plus an fp32 temporary per parameter on the device. A gradient whose dtype is not the accumulator's is
     therefore copied into a staging buffer of its own dtype and upcast on the host by the worker, so a bf16
     gradient moves 2 bytes per parameter (what the planner counts, `lazytrain_hf.planner.schedule`). Staging
-    buffers come from `_StagingPool`: at most ``STAGING_BUFFERS`` per dtype and size class, reused once the worker
-    consumed them, so pinned staging stays bounded. Test: ``tests/test_trace.py`` (bytes and dtype of every
+    buffers come from `_StagingPool`, reused once the worker consumed them (at most ``STAGING_BUFFERS`` free ones
+    are kept per dtype and size class); with at most two layers' gradients in flight (Note: [Two stages of copies in
+    flight]) pinned staging stays within a few layers' gradients. Test: ``tests/test_trace.py`` (bytes and dtype of every
     gradient transfer of a bf16 model).
 
 Note: [Two stages of copies in flight]
