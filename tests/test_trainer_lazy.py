@@ -322,3 +322,25 @@ def test_resume_bf16_restores_the_fp32_master(tmp_path):
     wa, wb = _weights(full.model), _weights(second.model)
     for k in wa:
         assert torch.equal(wa[k], wb[k]), k
+
+
+def test_host_budget_bounds_the_whole_footprint(tmp_path, monkeypatch):
+    """planner_host_budget is the whole host footprint: the MILP gets for pinned activations what the run's state
+    leaves of it (here: nothing, so no layer is offloaded to the cpu tier)."""
+    import lazytrain_hf.planner.milp as milp
+    from lazytrain_hf.training import planning
+
+    seen = {}
+    real = milp.plan_for_model
+
+    def spy(*a, **k):
+        seen["host_budget"] = k["host_budget"]
+        return real(*a, **k)
+
+    monkeypatch.setattr(milp, "plan_for_model", spy)
+    tr = make_trainer(tmp_path, planner_policy="milp", planner_hardware="h800", planner_warmup_steps=0)
+    state = planning.host_footprint(None, tr.model, hybrid_8bit=True, args=tr.args)
+    tr.args.planner_host_budget = max(state.total, state.save_peak) - state.activations + 1000
+    plan = tr.make_plan()
+    assert seen["host_budget"] == 1000
+    assert plan.predicted["pinned_host_bytes"] <= 1000

@@ -117,6 +117,13 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     if "nvme" in a.activation_tiers and a.activation_nvme_dir:
         nvme_budget = int(shutil.disk_usage(_existing_parent(a.activation_nvme_dir)).free * 0.9)
 
+    # planner_host_budget bounds the whole host footprint: offloaded activations get what the state leaves of it
+    # (check_host_memory then holds the plan to the whole budget)
+    pinned_budget = None
+    if a.planner_host_budget is not None:
+        compute_dtype = torch.bfloat16 if a.bf16 else None
+        state = host_footprint(None, model, hybrid_8bit=a.optim_hybrid_8bit, compute_dtype=compute_dtype, args=a)
+        pinned_budget = max(0, int(a.planner_host_budget) - (max(state.total, state.save_peak) - state.activations))
     if a.planner_policy == "milp":
         plan = milp.plan_for_model(
             config,
@@ -126,7 +133,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
             auto_batch_size=a.planner_auto_batch_size,
             max_batch_size=a.planner_max_batch_size,
             gpu_budget=a.planner_gpu_budget,
-            host_budget=a.planner_host_budget,
+            host_budget=pinned_budget,
             nvme_budget=nvme_budget,
             allowed_tiers=tuple(a.activation_tiers),
             time_limit=a.planner_time_limit,
