@@ -310,22 +310,6 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         efficiency=dict(_HOPPER_EFFICIENCY),
         source="datasheet: H800 SXM5 80 GB HBM3 3.35 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
     ),
-    "h100": dict(
-        device_memory_bytes=80 * GiB,
-        peak_tflops=989.5,
-        achievable_fraction=_HOPPER_GEMM,
-        h2d_gbps=50.0,
-        d2h_gbps=50.0,
-        nvme_read_gbps=24.0,
-        nvme_write_gbps=16.0,
-        nvme_capacity_bytes=8 * TiB,
-        host_memory_bytes=1 * TiB,
-        cpu_optimizer_params_per_s=8e9,
-        memory_gbps=2850.0,
-        kernel_overhead_s=_GPU_KERNEL_S,
-        efficiency=dict(_HOPPER_EFFICIENCY),
-        source="datasheet: H100 SXM5 80 GB HBM3 3.35 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
-    ),
     "h200": dict(
         device_memory_bytes=141 * GB,
         peak_tflops=989.5,
@@ -414,6 +398,13 @@ _BUNDLED: dict[str, dict[str, Any]] = {
     ),
 }
 
+# H100 SXM5: the same datasheet figures as the H800 but for NVLink, which a single-device run does not use
+_H100 = {
+    **_BUNDLED["h800"],
+    "efficiency": dict(_HOPPER_EFFICIENCY),
+    "source": "datasheet: H100 SXM5 80 GB HBM3 3.35 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
+}
+_BUNDLED = {"h800": _BUNDLED["h800"], "h100": _H100, **{k: v for k, v in _BUNDLED.items() if k != "h800"}}
 BUNDLED_PROFILES: tuple[str, ...] = tuple(_BUNDLED)
 
 

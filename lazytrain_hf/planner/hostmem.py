@@ -220,7 +220,7 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
     frozen layer; with ``plan.stream_embeddings`` the embedding and final norm + lm_head are units too, a tied
     lm_head belonging to the embedding)."""
     from .. import models
-    from ..streaming.binder import RESIDENT_TRAINABLE_FRACTION, hf_root
+    from ..streaming.binder import hf_root, streamed_parameters
 
     root = hf_root(model)
     layers = models.decoder_layers(root)
@@ -229,12 +229,7 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
     lps = plan.layers if plan is not None else [None] * len(layers)
     for layer, lp in zip(layers, lps):
         params = list(layer.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        frozen = [p for p in params if not p.requires_grad]
-        n_train = sum(p.numel() for p in trainable)
-        n_all = sum(p.numel() for p in params)
-        keep_train = bool(frozen) and bool(trainable) and n_train < RESIDENT_TRAINABLE_FRACTION * n_all
-        streamed = frozen if keep_train else params
+        streamed = streamed_parameters(params)
         seen.update(id(p) for p in streamed)
         if streamed:
             units.append(

@@ -207,7 +207,7 @@ def sizes_from_model(
     import torch
 
     from .. import models
-    from ..streaming.binder import RESIDENT_TRAINABLE_FRACTION
+    from ..streaming.binder import streamed_parameters
     from ..streaming.store import layer_layout
     from .costmodel import saved_activation_bytes
 
@@ -230,12 +230,7 @@ def sizes_from_model(
     act_dtype = None
     for i, layer in enumerate(layers_mod):
         params = list(layer.parameters())
-        trainable = [p for p in params if p.requires_grad]
-        frozen = [p for p in params if not p.requires_grad]
-        n_train = sum(p.numel() for p in trainable)
-        n_all = sum(p.numel() for p in params)
-        keep_train_resident = bool(frozen) and bool(trainable) and n_train < RESIDENT_TRAINABLE_FRACTION * n_all
-        s_params = frozen if keep_train_resident else params
+        s_params = streamed_parameters(params)
         streamed.update(id(p) for p in s_params)
         lay = layer_layout([(p.numel(), p.dtype, p.requires_grad) for p in s_params], compute_dtype)
         grad = sum(p.numel() * cdt(p).itemsize for p in s_params if p.requires_grad)

@@ -38,6 +38,18 @@ from .store import ALIGN_BYTES, LayerStore, _align
 RESIDENT_TRAINABLE_FRACTION = 0.1
 
 
+def streamed_parameters(params: list[nn.Parameter]) -> list[nn.Parameter]:
+    """Which of a decoder layer's parameters the host store streams: all of them, or only the frozen ones when the
+    trainable ones are under `RESIDENT_TRAINABLE_FRACTION` of the layer (adapters stay resident). The executor, the
+    host-memory accounting and the planner's byte counts all read the split from here."""
+    trainable = [p for p in params if p.requires_grad]
+    frozen = [p for p in params if not p.requires_grad]
+    n_train = sum(p.numel() for p in trainable)
+    n_all = sum(p.numel() for p in params)
+    keep_train_resident = bool(frozen) and bool(trainable) and n_train < RESIDENT_TRAINABLE_FRACTION * n_all
+    return frozen if keep_train_resident else params
+
+
 class _SlotRef(NamedTuple):
     """A saved tensor that is a view of a streamed weight: rebuilt on the layer's current slot when unpacked."""
 
@@ -114,11 +126,8 @@ class ParameterBinder:
                         "weights cannot be streamed independently."
                     )
             trainable = [p for p in params if p.requires_grad]
-            frozen = [p for p in params if not p.requires_grad]
-            n_train = sum(p.numel() for p in trainable)
-            n_all = sum(p.numel() for p in params)
-            keep_train_resident = bool(frozen) and bool(trainable) and n_train < RESIDENT_TRAINABLE_FRACTION * n_all
-            streamed = frozen if keep_train_resident else params
+            streamed = streamed_parameters(params)
+            keep_train_resident = bool(trainable) and len(streamed) < len(params)
             ls = None
             if streamed:
                 ls = self.store.add_layer(
