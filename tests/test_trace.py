@@ -163,6 +163,12 @@ def test_trace_unit():
         trace.transfer("pcie", 1, None, 0, "x")
     with pytest.raises(ValueError, match="keep_steps=-1"):
         Trace(keep_steps=-1)
+    from lazytrain_hf.streaming.trace import TOTALS_KEPT
+
+    for _ in range(TOTALS_KEPT + 50):  # a long run keeps the first steps and the last TOTALS_KEPT totals only
+        trace.end_step()
+    kept = [s["step"] for s in trace.steps]
+    assert kept[0] == 0 and len(kept) == 1 + TOTALS_KEPT and kept[-1] == trace.step_index - 1
 
 
 def test_warmup_times_exclude_transfers(monkeypatch):

@@ -11,8 +11,8 @@ cost model.
 Steps are optimizer steps: the trainer calls `end_step` after issuing the update (`LazyTrainer`); used
 standalone (no optimizer), call it after each backward. Work that belongs to a step but runs later (an overlapped
 optimizer update and the uploads it issues) is recorded with the step index taken when it was issued, so totals
-never depend on timing. Per-step totals are kept for every step; the detailed records (transfers, spans) only for
-the first ``keep_steps`` steps, so the trace stays small over a long run.
+never depend on timing. The detailed records (transfers, spans) are kept for the first ``keep_steps`` steps and the
+per-step totals for those and the last `TOTALS_KEPT` steps, so the trace stays small over a long run.
 
 Lanes (`LANES`): ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and ``nvme_write`` (disk <-> host). On the CPU
 device a "transfer" is the copy between the host store and a device slot that the CUDA path makes over PCIe, and
@@ -33,6 +33,7 @@ import torch
 
 LANES: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
 DEFAULT_KEEP_STEPS = 3
+TOTALS_KEPT = 1024  # per-step totals kept beyond the detailed steps
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
@@ -45,7 +46,7 @@ class Trace:
     """Per-step record of the executor's transfers, compute spans, optimizer updates and host synchronisations.
 
     Args:
-        keep_steps: steps whose detailed records are kept (totals are kept for every step).
+        keep_steps: steps whose detailed records are kept (totals: those and the last `TOTALS_KEPT` steps).
         clock: the timer of compute spans and updates (``time.perf_counter`` by default; spans recorded with CUDA
             events are converted to seconds when the step is read).
     """
@@ -216,6 +217,10 @@ class Trace:
         with self._lock:
             self._step(None)
             self.step_index += 1
+            # bounded over a long run: the detailed first steps and the totals of the last `TOTALS_KEPT` steps
+            old = self.step_index - TOTALS_KEPT - 1
+            if old >= self.keep_steps:
+                self._steps.pop(old, None)
 
     # ------------------------------------------------------------------ reading
     @property
