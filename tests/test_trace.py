@@ -274,6 +274,10 @@ def test_issue_order_follows_the_schedule(case):
             if t["lane"] == "h2d" and t["what"] in ("fetch", "reload")
         ]
         assert sorted(got, key=lambda x: x[0]) == got, "issued out of stage order"
+        # every fetch and reload is waited for by the compute that needs it, never before it was issued
+        for t in s["transfers"]:
+            if t["lane"] == "h2d" and t["what"] in ("fetch", "reload"):
+                assert t["stage_issued"] <= t["stage_waited"], t
         # a reload is one copy per saved tensor of the layer, a fetch one copy per layer
         got = [g for g in got if g[2] == "fetch"] + sorted({g for g in got if g[2] == "reload"}, key=str)
         extra, missing = Counter(got) - Counter(expected), Counter(expected) - Counter(got)

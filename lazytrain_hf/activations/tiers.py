@@ -194,6 +194,8 @@ class Tier:
         """The reloaded tensor once the compute side may read it."""
         ctx = self.ctx
         out = entry.reloaded
+        if ctx.trace is not None:
+            ctx.trace.waited(entry.layer, "reload")
         if ctx.is_async:
             ctx.lanes.compute_wait(entry.reload_event)
             entry.reload_waited = True

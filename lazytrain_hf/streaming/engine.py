@@ -267,6 +267,7 @@ class TransferEngine:
         """Make the compute stream wait for the slot's fetch before it uses the slot. See Note: [Compute waits for
         the H2D event]."""
         slot.compute_open = True
+        self.trace.waited(slot.owner, "fetch")
         if self.is_async:
             self.lanes.compute_wait(slot.ready)
 

@@ -133,14 +133,15 @@ class Trace:
                 )
 
     def waited(self, layer: int | None, what: str) -> None:
-        """The compute side waited for the last ``what`` transfer of ``layer`` (records the stage it did so)."""
-        if not self.enabled:
+        """The compute side waits for the earliest ``what`` transfer of ``layer`` not waited for yet (records the
+        stage it does so in ``stage_waited``)."""
+        if not self.enabled or layer is None:
             return
         with self._lock:
-            s = self._step(None)
-            if not self._detailed(s["step"]):
+            s = self._steps.get(self.step_index)
+            if s is None or not self._detailed(s["step"]):
                 return
-            for t in reversed(s["transfers"]):
+            for t in s["transfers"]:
                 if t["layer"] == layer and t["what"] == what and "stage_waited" not in t:
                     t["stage_waited"] = max(self.stage, 0)
                     return
