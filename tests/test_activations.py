@@ -25,6 +25,7 @@ from lazytrain_hf.activations import nvme as act
 from lazytrain_hf.activations.nvme import IO_ALIGN
 from lazytrain_hf.models import decoder_layers, layer_kinds
 from lazytrain_hf.planner.plan import Plan
+from lazytrain_hf.streaming.trace import Trace
 
 
 # ---------------------------------------------------------------------------------------------------------- helpers
@@ -773,17 +774,16 @@ def test_layer_call_errors(refs):
 
 
 # ---------------------------------------------------------------------------------------------------------- release
-class _CountingTrace:
-    """Stands in for the executor's trace: counts ``host_sync`` reasons."""
+class _CountingTrace(Trace):
+    """The executor's trace, keeping every ``host_sync`` reason in order."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.reasons: list[str] = []
 
-    def host_sync(self, reason: str) -> None:
+    def host_sync(self, reason: str, step: int | None = None) -> None:
         self.reasons.append(reason)
-
-    def transfer(self, *args) -> None:
-        pass
+        super().host_sync(reason, step)
 
 
 @pytest.mark.parametrize("name", ["cpu", "nvme", "mixed", "recompute_cpu"])
