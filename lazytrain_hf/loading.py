@@ -151,13 +151,8 @@ def _read_header(path: str) -> dict[str, tuple[torch.dtype, tuple[int, ...], int
     return out
 
 
-def weight_files(directory: str) -> list[str]:
-    """The safetensors weight files of ``directory``, or ValueError saying what is there instead."""
-    if not os.path.isdir(directory):
-        raise ValueError(
-            f"from_pretrained: {directory!r} is not a directory; pass a local directory written by save_pretrained "
-            "or a Hub repository id (e.g. 'Qwen/Qwen3-0.6B')."
-        )
+def find_weight_files(directory: str) -> list[str] | None:
+    """The safetensors weight files of ``directory`` (one, or the shards its index names), or None."""
     single = os.path.join(directory, WEIGHTS_FILE)
     if os.path.isfile(single):
         return [single]
@@ -166,6 +161,19 @@ def weight_files(directory: str) -> list[str]:
         with open(index) as f:
             shards = sorted(set(json.load(f)["weight_map"].values()))
         return [os.path.join(directory, s) for s in shards]
+    return None
+
+
+def weight_files(directory: str) -> list[str]:
+    """The safetensors weight files of ``directory``, or ValueError saying what is there instead."""
+    if not os.path.isdir(directory):
+        raise ValueError(
+            f"from_pretrained: {directory!r} is not a directory; pass a local directory written by save_pretrained "
+            "or a Hub repository id (e.g. 'Qwen/Qwen3-0.6B')."
+        )
+    files = find_weight_files(directory)
+    if files is not None:
+        return files
     others = [n for n in _OTHER_FORMATS if os.path.exists(os.path.join(directory, n))]
     found = f" (found {', '.join(others)})" if others else ""
     raise ValueError(

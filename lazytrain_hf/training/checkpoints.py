@@ -23,11 +23,11 @@ import torch
 from transformers.utils import logging
 
 from ..args import PLAN_FILE
+from ..loading import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from ..loading import find_weight_files as _weight_files
 from ..units import format_bytes
 
 MASTER_FILE = "lazytrain_master.safetensors"
-WEIGHTS_FILE = "model.safetensors"
-WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
 
 logger = logging.get_logger(__name__)
 
@@ -537,17 +537,6 @@ def _is_pretrained(model) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-def _weight_files(checkpoint_dir: str) -> list[str] | None:
-    """The safetensors weight files of a checkpoint (one, or the shards its index names), or None."""
-    single = os.path.join(checkpoint_dir, WEIGHTS_FILE)
-    if os.path.isfile(single):
-        return [single]
-    index = os.path.join(checkpoint_dir, WEIGHTS_INDEX_FILE)
-    if os.path.isfile(index):
-        with open(index) as f:
-            shards = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(checkpoint_dir, s) for s in shards]
-    return None
 
 
 def _weight_transforms(model) -> list:
