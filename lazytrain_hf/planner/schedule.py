@@ -207,14 +207,12 @@ def sizes_from_model(
     import torch
 
     from .. import models
-    from ..streaming.binder import streamed_parameters
+    from ..streaming.binder import hf_root, streamed_parameters
     from ..streaming.store import layer_layout
     from .costmodel import saved_activation_bytes
 
     root = model
-    inner = getattr(root, "module", root)
-    if hasattr(inner, "get_base_model"):
-        inner = inner.get_base_model()
+    inner = hf_root(model)  # the model the executor attaches to
     config = inner.config
     T = int(seq_len or plan.seq_len)
     B = int(plan.micro_batch_size)

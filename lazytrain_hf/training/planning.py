@@ -20,6 +20,7 @@ import torch
 from transformers.utils import logging
 
 from .. import models
+from ..loading import weights_on_disk
 from ..units import format_bytes
 from .checkpoints import write_plan
 
@@ -105,7 +106,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     attn = attention_cost_class(config)
     common = dict(loss_chunk_tokens=a.stream_loss_chunk_tokens, attn_implementation=attn)
     measured = None
-    if a.planner_warmup_steps > 0 and _weights_on_disk(model):
+    if a.planner_warmup_steps > 0 and weights_on_disk(model):
         logger.warning(
             "LazyTrain planner: the model's decoder layers are still on disk (lazytrain_hf.from_pretrained); the "
             "timed warm-up would read every layer into RAM before the host store is built, so layer times come "
@@ -185,7 +186,7 @@ def predict_bytes(
     if (
         batch is not None
         and any(lp.policy.startswith("offload") for lp in plan.layers)
-        and not _weights_on_disk(model)
+        and not weights_on_disk(model)
     ):
         offload = measure_offload_bytes(model, batch, args.device, compute_dtype)
     sizes = schedule.sizes_from_model(
@@ -194,14 +195,6 @@ def predict_bytes(
     out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)))
     plan.predicted["bytes_per_step"] = out
     return out
-
-
-def _weights_on_disk(model: torch.nn.Module) -> bool:
-    """Some parameters are still on disk (`lazytrain_hf.from_pretrained`): a pass before the real attach would
-    materialise them all."""
-    from ..streaming.store import has_disk_source
-
-    return any(has_disk_source(p) for p in model.parameters())
 
 
 def measure_offload_bytes(
