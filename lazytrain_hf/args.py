@@ -20,6 +20,8 @@ from .activations.nvme import check_dir as check_nvme_dir
 from .planner.plan import INPUT_TIERS
 from .units import parse_bytes
 
+STATE_NVME_LAYERS = ("auto", "all")  # state_nvme_layers
+
 PLAN_FILE = "lazytrain_plan.json"  # the plan next to a checkpoint (also written to output_dir)
 PLANNER_POLICIES = ("milp", "megatrain", "keep_all", "all_recompute", "cpu_offload_inputs", "default")
 SOLVERS = ("auto", "cbc", "highs")
@@ -72,6 +74,13 @@ class LazyTrainingArguments(TrainingArguments):
         on the device (a spill could not be read back in time).
     activation_nvme_dir (`str`, *optional*): an existing, writable directory for NVMe spill files; required when
         `nvme` is a tier.
+    state_nvme_dir (`str`, *optional*): an existing, writable directory on a fast local disk for the training state
+        of streamed layers that do not fit `planner_host_budget` (fp32 master, compute copy, gradient accumulator
+        and 8-bit moments per layer, `lazytrain_hf.streaming.nvmestate`). Without it a state larger than the budget
+        is refused before anything is allocated.
+    state_nvme_layers (`str`, defaults to `"auto"`): which streamed units keep their state in `state_nvme_dir`:
+        `auto` (the fewest, chosen by the planner, that bring the host footprint within `planner_host_budget`) or
+        `all` (every streamed unit; for comparisons and tests).
 
     > Optimizer (`lazytrain_hf.optim`)
 
@@ -160,6 +169,17 @@ class LazyTrainingArguments(TrainingArguments):
         default=None,
         metadata={"help": "Existing, writable directory for NVMe activation spill files (needed for the nvme tier)."},
     )
+    state_nvme_dir: str | None = field(
+        default=None,
+        metadata={
+            "help": "Existing, writable directory for the training state of streamed layers that do not fit "
+            "planner_host_budget (masters, compute copy, gradients, 8-bit moments on NVMe)."
+        },
+    )
+    state_nvme_layers: str = field(
+        default="auto",
+        metadata={"help": "Streamed units whose state lives in state_nvme_dir: auto (what the budget needs) or all."},
+    )
 
     # ----------------------------------------------------------------- optimizer
     optim_hybrid_8bit: bool | None = field(
@@ -236,6 +256,23 @@ class LazyTrainingArguments(TrainingArguments):
             )
         if self.activation_nvme_dir is not None:
             self.activation_nvme_dir = check_nvme_dir(self.activation_nvme_dir)
+        if self.state_nvme_layers not in STATE_NVME_LAYERS:
+            raise ValueError(
+                f"state_nvme_layers={self.state_nvme_layers!r} is not one of {STATE_NVME_LAYERS}: 'auto' keeps on "
+                "NVMe what planner_host_budget needs, 'all' every streamed unit."
+            )
+        if self.state_nvme_dir is not None:
+            self.state_nvme_dir = check_nvme_dir(self.state_nvme_dir, "state_nvme_dir")
+            if not self.stream_enabled:
+                raise ValueError(
+                    "state_nvme_dir is set but stream_enabled=False: only the streaming executor keeps training state "
+                    "on NVMe; set stream_enabled=True or drop state_nvme_dir."
+                )
+        elif self.state_nvme_layers == "all":
+            raise ValueError(
+                "state_nvme_layers='all' needs state_nvme_dir: pass state_nvme_dir=/path/on/nvme, or leave "
+                "state_nvme_layers='auto'."
+            )
 
         # the optimizer's own limits (HybridAdamW8bit checks the same), so a bad value fails here, not at step 1
         if not 16 <= self.optim_block_size <= 4096 or self.optim_block_size & (self.optim_block_size - 1):

@@ -138,6 +138,10 @@ class LazyTrainer(Trainer):
             self.check_plan_fits(plan, where=self.args.planner_plan)
         if plan is None:
             plan = self._plan_on_rank_zero()
+        # which streamed units keep their training state on NVMe (state_nvme_dir): decided for this machine's budget
+        planning.place_state(
+            plan, self.model, self.args, hybrid_8bit=self.args.optim_hybrid_8bit, compute_dtype=self._compute_dtype()
+        )
         # Note: [The trace is the planner's referee]: what the trace must show, in the plan written to output_dir
         planning.predict_bytes(plan, self.model, self.args, self._compute_dtype(), batch=self._sample_batch())
         if self.args.should_save:
@@ -149,6 +153,7 @@ class LazyTrainer(Trainer):
             device=self.args.device,
             nvme_dir=self.args.activation_nvme_dir,
             compute_dtype=self._compute_dtype(),
+            **self._state_nvme_kwargs(),
         )
         if "nvme" in plan.tiers_used():
             try:
@@ -280,6 +285,13 @@ class LazyTrainer(Trainer):
             args=self.args,
         )
 
+    def _state_nvme_kwargs(self) -> dict[str, Any]:
+        return dict(
+            state_nvme_dir=self.args.state_nvme_dir,
+            optim_block_size=self.args.optim_block_size,
+            optim_min_8bit_size=self.args.optim_min_8bit_size,
+        )
+
     def _compute_dtype(self) -> torch.dtype | None:
         """``bf16=True`` with fp32 parameters: compute with a bf16 copy, fp32 masters on the host (as a bf16-loaded
         model trains, the optimizer on fp32 masters). Accelerate's autocast never applies to the streamed model
@@ -386,7 +398,13 @@ class LazyTrainer(Trainer):
             return
         from .streaming import attach
 
-        handle = attach(self.model, plan=self.lazy_plan, device=self.args.device, compute_dtype=self._compute_dtype())
+        handle = attach(
+            self.model,
+            plan=self.lazy_plan,
+            device=self.args.device,
+            compute_dtype=self._compute_dtype(),
+            **self._state_nvme_kwargs(),
+        )
         self.model._is_accelerate_prepared = True
         try:
             yield handle

@@ -132,29 +132,29 @@ class ActivationSpillError(OSError):
     """Writing activations to the NVMe spill directory failed (e.g. ENOSPC). The spill files are removed."""
 
 
-def check_dir(path: Any) -> str:
-    """``activation_nvme_dir`` as an absolute path; ValueError naming it unless it is an existing, writable
-    directory (the spill files are created there); also checked by `LazyTrainingArguments`."""
+def check_dir(path: Any, option: str = "activation_nvme_dir") -> str:
+    """``path`` (the value of ``option``: ``activation_nvme_dir`` or ``state_nvme_dir``) as an absolute path;
+    ValueError naming the option unless it is an existing, writable directory (the files are created there); also
+    checked by `LazyTrainingArguments`."""
     if not isinstance(path, str | os.PathLike) or not os.fspath(path):
         raise ValueError(
-            f"activation_nvme_dir={path!r} must be the path of a directory on a fast local disk, e.g. "
-            "activation_nvme_dir='/scratch/lazytrain'."
+            f"{option}={path!r} must be the path of a directory on a fast local disk, e.g. "
+            f"{option}='/scratch/lazytrain'."
         )
     resolved = os.path.abspath(os.path.expanduser(os.fspath(path)))
     if os.path.exists(resolved) and not os.path.isdir(resolved):
         raise ValueError(
-            f"activation_nvme_dir={path!r} is not a directory; pass a directory on a fast local disk for the spill "
-            "files."
+            f"{option}={path!r} is not a directory; pass a directory on a fast local disk for the spill files."
         )
     if not os.path.isdir(resolved):
         raise ValueError(
-            f"activation_nvme_dir={path!r} does not exist; create it (mkdir -p {resolved}) or pass another directory "
-            "on a fast local disk."
+            f"{option}={path!r} does not exist; create it (mkdir -p {resolved}) or pass another directory on a fast "
+            "local disk."
         )
     if not os.access(resolved, os.W_OK | os.X_OK):
         raise ValueError(
-            f"activation_nvme_dir={path!r} is not writable by this process; fix its permissions or pass a directory "
-            "you can write to."
+            f"{option}={path!r} is not writable by this process; fix its permissions or pass a directory you can "
+            "write to."
         )
     return resolved
 

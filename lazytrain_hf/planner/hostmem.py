@@ -25,7 +25,12 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
   the slot pools and dedicated slots, one streamed embedding / head transient slot, and one layer's device gradients
   on their way to the accumulators;
 - ``checkpoint``: the transient of a save, written layer by layer from the host store (Note: [Checkpoints are
-  streamed from the host store], training/checkpoints.py): at most one unit's tensors materialised at once.
+  streamed from the host store], training/checkpoints.py): at most one unit's tensors materialised at once;
+- ``state_windows``: for units whose state is on NVMe (``state_nvme``, `lazytrain_hf.streaming.nvmestate`), which
+  hold none of the terms above but the fp32 moments of their tensors under ``min_8bit_size``: the host windows
+  their I/O goes through: `STATE_FETCH_WINDOWS` compute-copy windows of weight fetches, `STATE_GRAD_WINDOWS`
+  gradient windows, the optimizer's unit-sized compute window and its three chunk windows (Note: [The out-of-core
+  optimizer step is chunked]), each of the largest such unit.
 
 Not counted: the model's own tensors before the store replaces them (each streamed parameter's storage is released
 as its layer is stored), Python and library overhead, the activations of one layer's forward on a CPU device.
@@ -43,6 +48,12 @@ from ..streaming.store import ALIGN_BYTES, _align, layer_layout
 # Gradient staging in flight at once with gradient accumulation (the bound the engine's staging keeps): two layers
 # of device gradients in the compute dtype, one being copied while the previous one is added on the host.
 GRAD_STAGING_LAYERS = 2
+# Host windows of units whose state is on NVMe (lazytrain_hf.streaming.nvmestate): fetch windows in flight (one per
+# fetch whose copy has not landed: the prefetch and the layer computing), gradient windows (two layers' gradients in
+# flight, Note: [Two stages of copies in flight] in streaming/engine.py), optimizer chunk windows
+STATE_FETCH_WINDOWS = 2
+STATE_GRAD_WINDOWS = 2
+STATE_CHUNK_WINDOWS = 3
 # The 8-bit state layout of HybridAdamW8bit's defaults (block 256, fp32 moments below 4096 elements, as bitsandbytes)
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MIN_8BIT_SIZE = 4096
@@ -58,6 +69,7 @@ TERM_NAMES = {
     "resident": "resident parameters' gradient copies",
     "device_on_host": "device memory in host RAM (CPU device)",
     "checkpoint": "checkpoint-save transient",
+    "state_windows": "windows of the state on NVMe",
 }
 
 
@@ -74,11 +86,15 @@ class HostFootprint:
     resident: int = 0
     device_on_host: int = 0
     checkpoint: int = 0
+    state_windows: int = 0
+    # bytes of the state files of the units on NVMe (not host memory; what state_nvme_dir must hold)
+    nvme_state: int = 0
 
     @property
     def state(self) -> int:
-        """The model state: masters, compute copy, gradients, optimizer state and resident parameters' host bytes."""
-        return self.masters + self.compute + self.grads + self.optimizer + self.resident
+        """The model state in host RAM: masters, compute copy, gradients, optimizer state, resident parameters' host
+        bytes, and the windows of the state on NVMe."""
+        return self.masters + self.compute + self.grads + self.optimizer + self.resident + self.state_windows
 
     @property
     def total(self) -> int:
@@ -107,6 +123,8 @@ class HostFootprint:
         from ..units import format_bytes
 
         parts = [f"{TERM_NAMES[k]} {format_bytes(v)}" for k, v in asdict(self).items() if v and k in TERM_NAMES]
+        if self.nvme_state:
+            parts.append(f"(on NVMe: state files {format_bytes(self.nvme_state)})")
         return ", ".join(parts) or "nothing"
 
 
@@ -119,6 +137,7 @@ class Unit:
     streamed: bool
     plan_resident: bool = False  # a streamed layer the plan keeps on the device (dedicated slot)
     kind: str = ""
+    key: int | None = None  # the host-store key (decoder layer index, -1 embedding, num_layers head)
 
 
 def optimizer_state_bytes(
@@ -145,6 +164,7 @@ def host_footprint(
     gradient_accumulation_steps: int = 1,
     pinned_activation_bytes: int = 0,
     pool_slots: dict[str, int] | None = None,
+    state_nvme: set[int] | frozenset[int] = frozenset(),
 ) -> HostFootprint:
     """Every term of the run's host footprint (module docstring) for parameters grouped as ``units``.
 
@@ -157,7 +177,11 @@ def host_footprint(
         gradient_accumulation_steps: above 1, gradient staging is needed.
         pinned_activation_bytes: the plan's pinned activation buffers.
         pool_slots: per layer kind, the number of slots of its pool (CPU device only; `slot_pool_sizes`).
+        state_nvme: keys of the streamed units whose state is on NVMe (``Unit.key``).
     """
+    from ..streaming.nvmestate import CHUNK_ELEMS, IO_ALIGN, state_file_bytes
+
+    win_compute, win_grad, chunk = 0, 0, 0
     fp = HostFootprint(activations=int(pinned_activation_bytes))
     cpu = device_type == "cpu"
     max_unit, max_grad_compute, transient = 0, 0, 0
@@ -166,6 +190,26 @@ def host_footprint(
         trainable = [n for n, _, t in u.tensors if t]
         fp.optimizer += optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
         in_compute = lay_dtypes(u.tensors, compute_dtype)
+        if u.streamed and u.key in state_nvme:
+            lay = layer_layout(u.tensors, compute_dtype)
+            small = [n for n, _, t in u.tensors if t and not (hybrid_8bit and n >= min_8bit_size)]
+            fp.optimizer -= optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
+            fp.optimizer += 8 * sum(small)  # fp32 moments of small tensors stay in RAM
+            fp.nvme_state += state_file_bytes(u.tensors, lay.compute_bytes, lay.train_elems, block_size, min_8bit_size)
+            win_compute = max(win_compute, lay.compute_bytes + 2 * IO_ALIGN)
+            win_grad = max(win_grad, 4 * lay.train_elems + 2 * IO_ALIGN)
+            big = max([n for n in trainable if n not in small] or [0])
+            c = min(CHUNK_ELEMS, max(big, max(small or [0])))
+            chunk = max(chunk, c * 10 + 8 * -(-c // block_size) + 8 * IO_ALIGN)
+            max_unit = max(max_unit, lay.compute_bytes)
+            max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
+            if cpu:
+                nb = _align(lay.compute_bytes, ALIGN_BYTES)
+                if u.kind in ("embed", "head"):
+                    transient = max(transient, nb)
+                else:
+                    slot_bytes[u.kind] = max(slot_bytes.get(u.kind, 0), nb)
+            continue
         if u.streamed:
             lay = layer_layout(u.tensors, compute_dtype)
             fp.compute += lay.compute_bytes
@@ -203,6 +247,10 @@ def host_footprint(
     if gradient_accumulation_steps > 1:
         fp.staging = GRAD_STAGING_LAYERS * max_grad_compute
     fp.checkpoint = max_unit
+    if state_nvme:
+        fp.state_windows = (
+            (STATE_FETCH_WINDOWS + 1) * win_compute + STATE_GRAD_WINDOWS * win_grad + STATE_CHUNK_WINDOWS * chunk
+        )
     return fp
 
 
@@ -227,7 +275,7 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
     units: list[Unit] = []
     seen: set[int] = set()
     lps = plan.layers if plan is not None else [None] * len(layers)
-    for layer, lp in zip(layers, lps):
+    for key, (layer, lp) in enumerate(zip(layers, lps)):
         params = list(layer.parameters())
         streamed = streamed_parameters(params)
         seen.update(id(p) for p in streamed)
@@ -238,6 +286,7 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
                     True,
                     bool(lp is not None and lp.resident),
                     lp.kind if lp is not None else "",
+                    key,
                 )
             )
     if plan is not None and plan.stream_embeddings:
@@ -245,10 +294,10 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
         e = list(embed.parameters())
         ids = {id(p) for p in e}
         h = list(norm.parameters()) + [p for p in head.parameters() if id(p) not in ids]
-        for ps, kind in ((e, "embed"), (h, "head")):
+        for ps, kind, key in ((e, "embed", -1), (h, "head", len(layers))):
             if ps:
                 seen.update(id(p) for p in ps)
-                units.append(Unit([(p.numel(), p.dtype, p.requires_grad) for p in ps], True, False, kind))
+                units.append(Unit([(p.numel(), p.dtype, p.requires_grad) for p in ps], True, False, kind, key))
     rest = [p for p in _unique_parameters(model) if id(p) not in seen]
     units.append(Unit([(p.numel(), p.dtype, p.requires_grad) for p in rest], False))
     return units
@@ -306,7 +355,47 @@ def run_footprint(
         gradient_accumulation_steps=gradient_accumulation_steps,
         pinned_activation_bytes=pinned,
         pool_slots=slot_pool_sizes(plan, units) if device_type == "cpu" else None,
+        state_nvme=frozenset(plan.state_nvme) if plan is not None else frozenset(),
     )
+
+
+def spill_order(plan, units: list[Unit]) -> list[int]:
+    """The streamed units a growing state on NVMe takes, in order: the head, then decoder layers from the last
+    (their optimizer updates come last in the layer-wise pass, so their state I/O has the longest stretch of the
+    next forward to overlap), the embedding last; never a layer the plan keeps resident."""
+    keys = [u.key for u in units if u.streamed and not u.plan_resident and u.key is not None]
+    L = plan.num_layers
+    head = [k for k in keys if k == L]
+    layers = sorted((k for k in keys if 0 <= k < L), reverse=True)
+    embed = [k for k in keys if k == -1]
+    return head + layers + embed
+
+
+def place_state(plan, units: list[Unit], budget: int | None, footprint, everything: bool = False) -> list[int]:
+    """The fewest units (in `spill_order`) whose state must go to NVMe for ``footprint(keys)`` (a
+    `HostFootprint`) to fit ``budget`` bytes at its peak (``max(total, save_peak)``); every candidate with
+    ``everything``. Returns the sorted keys; all candidates when even they do not fit (the host check then says so).
+    """
+    order = spill_order(plan, units)
+    if everything:
+        return sorted(order)
+
+    def need(keys: list[int]) -> int:
+        fp = footprint(frozenset(keys))
+        return max(fp.total, fp.save_peak)
+
+    if budget is None or need([]) <= budget:
+        return []
+    lo, hi = 1, len(order)  # the footprint shrinks as units go (past the windows of the first one): bisect
+    if need(order) > budget:
+        return sorted(order)
+    while lo < hi:
+        mid = (lo + hi) // 2
+        if need(order[:mid]) <= budget:
+            hi = mid
+        else:
+            lo = mid + 1
+    return sorted(order[:lo])
 
 
 def counts_footprint(layer_params: list[int], embed_params: int, head_params: int, dtype_bytes: int) -> HostFootprint:

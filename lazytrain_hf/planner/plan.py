@@ -101,6 +101,11 @@ class Plan:
             backward; every layer's ``policy`` must then be ``"recompute"`` with ``input_tier="gpu"``.
         optimizer_overlap: the CPU optimizer step overlaps the next step's forward (layer i is uploaded as soon as
             it is updated). ``False``: the next step starts only after the whole optimizer step.
+        state_nvme: the streamed units whose training state (fp32 master, compute copy, gradient accumulator, 8-bit
+            moments) lives on NVMe (`lazytrain_hf.streaming.nvmestate`), by host-store key: decoder layer ``i``,
+            ``-1`` the streamed embedding, ``num_layers`` the streamed head. Their weight fetches read the compute
+            copy from NVMe first, their gradients are written there, and their optimizer step reads and writes the
+            state (`lazytrain_hf.planner.schedule`). Chosen by `lazytrain_hf.planner.hostmem.place_state`.
     """
 
     layers: list[LayerPlan]
@@ -115,6 +120,7 @@ class Plan:
     model: str = ""
     checkpoint_every: int = 1
     optimizer_overlap: bool = True
+    state_nvme: list[int] = field(default_factory=list)
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -148,6 +154,15 @@ class Plan:
             raise PlanError("micro_batch_size, seq_len and loss_chunk_tokens must be >= 1.")
         if self.checkpoint_every < 1:
             raise PlanError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = per-layer policies).")
+        L = len(self.layers)
+        for k in self.state_nvme:
+            if not isinstance(k, int) or not -1 <= k <= L or (k in (-1, L) and not self.stream_embeddings):
+                raise PlanError(
+                    f"state_nvme lists unit {k!r}; units are decoder layers 0..{L - 1}"
+                    f"{f', -1 (embedding) and {L} (head)' if self.stream_embeddings else ''}."
+                )
+            if 0 <= k < L and self.layers[k].resident:
+                raise PlanError(f"state_nvme lists layer {k}, which the plan keeps resident on the device.")
         if self.checkpoint_every > 1 and any(lp.policy != "recompute" or lp.input_tier != "gpu" for lp in self.layers):
             raise PlanError(
                 f"checkpoint_every={self.checkpoint_every} (block checkpointing) needs every layer's policy to be "

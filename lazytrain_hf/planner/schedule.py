@@ -17,7 +17,11 @@ stage it is issued in), written from the executor's rules, which read the same `
   complete; gradients of parameters that are not streamed (embeddings, final norm and lm_head unless streamed,
   adapters) cross once per optimizer step, and the updated parameters go back up;
 - streamed embeddings (``stream_embeddings``): the embedding unit is fetched for the forward (and again for the
-  head when the lm_head is tied to it), the head unit (final norm + lm_head) once.
+  head when the lm_head is tied to it), the head unit (final norm + lm_head) once;
+- training state on NVMe (``plan.state_nvme``, `lazytrain_hf.streaming.nvmestate`): every fetch of such a unit first
+  reads its compute copy from NVMe (same stage); its gradients are written to its state file when its backward is
+  complete (and, with gradient accumulation, read back before the next micro-batch adds into them); its optimizer
+  step reads and writes its state once per step (``UnitBytes.state_read`` / ``state_write``).
 
 Consumers: the plan's ``predicted["bytes_per_step"]`` (`bytes_per_step`), which the executor's trace
 (`lazytrain_hf.streaming.trace`) must equal exactly; the simulator (`simulate.py`), which replays these transfers
@@ -55,6 +59,11 @@ class UnitBytes:
     saved: int = 0
     input: int = 0
     reloaded: int | None = None
+    # the unit's training state is on NVMe (plan.state_nvme): its gradient accumulator's bytes in the state file
+    # (written each micro-batch, read back before adding the next), and what its optimizer step reads and writes
+    grad_file: int = 0
+    state_read: int = 0
+    state_write: int = 0
 
 
 @dataclass(frozen=True)
@@ -102,17 +111,32 @@ class Transfer:
     per_step: bool = False
 
 
-def step_transfers(plan: Plan, sizes: StepBytes) -> list[Transfer]:
+def step_transfers(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: int = 1) -> list[Transfer]:
     """Every transfer of one micro-batch (and the per-step ones) of ``plan``, sorted by issue stage."""
     L = plan.num_layers
     if len(sizes.layers) != L:
         raise ValueError(f"sizes has {len(sizes.layers)} layers but the plan has {L}.")
     out: list[Transfer] = []
     tail = 2 * L + 1
+    on_nvme = set(plan.state_nvme)
+
+    def unit_of(layer: int | None) -> UnitBytes | None:
+        if layer is None:
+            return None
+        return sizes.embed if layer == -1 else sizes.head if layer == L else sizes.layers[layer]
 
     def add(lane: str, what: str, layer: int | None, n: int, stage: int, per_step: bool = False) -> None:
-        if n:
-            out.append(Transfer(lane, what, layer, int(n), stage, per_step))
+        if not n:
+            return
+        if layer in on_nvme and lane == "h2d" and what.startswith("fetch"):
+            out.append(Transfer("nvme_read", what, layer, int(n), stage, per_step))  # the compute copy from NVMe
+        out.append(Transfer(lane, what, layer, int(n), stage, per_step))
+        if layer in on_nvme and lane == "d2h" and what == "grad":
+            u = unit_of(layer)
+            out.append(Transfer("nvme_write", "grad", layer, u.grad_file, stage))
+            if gradient_accumulation_steps > 1:
+                n_acc = u.grad_file * (gradient_accumulation_steps - 1)
+                out.append(Transfer("nvme_read", "grad", layer, n_acc, stage, per_step=True))
 
     fetch_stage = {}
     for s, items in plan.issue_schedule().items():
@@ -156,6 +180,10 @@ def step_transfers(plan: Plan, sizes: StepBytes) -> list[Transfer]:
         add("d2h", "grad", -1, sizes.embed.grad, 2 * L)
     add("d2h", "grad", None, sizes.resident_grad, tail, per_step=True)
     add("h2d", "upload", None, sizes.resident_upload, tail, per_step=True)
+    for k in sorted(on_nvme):
+        u = unit_of(k)
+        add("nvme_read", "state", k, u.state_read, tail, per_step=True)
+        add("nvme_write", "state", k, u.state_write, tail, per_step=True)
     out.sort(key=lambda t: t.stage)
     return out
 
@@ -165,7 +193,7 @@ def bytes_per_step(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: in
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
     total = {lane: 0 for lane in LANES}
-    for t in step_transfers(plan, sizes):
+    for t in step_transfers(plan, sizes, gradient_accumulation_steps):
         total[t.lane] += t.nbytes * (1 if t.per_step else gradient_accumulation_steps)
     return total
 
@@ -195,6 +223,8 @@ def sizes_from_model(
     attn_implementation: str | None = None,
     device: Any = "cpu",
     offload_bytes: list[int] | None = None,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
 ) -> StepBytes:
     """Exact `StepBytes` of ``model`` (a ``*ForCausalLM``, possibly under PEFT) under ``plan``: weights from the host
     store's layout of each layer's parameters (`lazytrain_hf.streaming.store.layer_layout`), gradients from the
@@ -208,8 +238,17 @@ def sizes_from_model(
 
     from .. import models
     from ..streaming.binder import hf_root, streamed_parameters
+    from ..streaming.nvmestate import update_bytes
     from ..streaming.store import layer_layout
     from .costmodel import saved_activation_bytes
+
+    on_nvme = set(plan.state_nvme)
+
+    def state_terms(key: int, tensors: list, lay) -> dict[str, int]:
+        if key not in on_nvme:
+            return {}
+        r, w = update_bytes(tensors, lay.compute_bytes, block_size, min_8bit_size)
+        return {"grad_file": 4 * lay.train_elems, "state_read": r, "state_write": w}
 
     root = model
     inner = hf_root(model)  # the model the executor attaches to
@@ -230,7 +269,8 @@ def sizes_from_model(
         params = list(layer.parameters())
         s_params = streamed_parameters(params)
         streamed.update(id(p) for p in s_params)
-        lay = layer_layout([(p.numel(), p.dtype, p.requires_grad) for p in s_params], compute_dtype)
+        tensors = [(p.numel(), p.dtype, p.requires_grad) for p in s_params]
+        lay = layer_layout(tensors, compute_dtype)
         grad = sum(p.numel() * cdt(p).itemsize for p in s_params if p.requires_grad)
         act_dtype = act_dtype or (cdt(params[0]) if params else torch.float32)
         db = act_dtype.itemsize
@@ -240,7 +280,9 @@ def sizes_from_model(
         else:
             saved = saved_activation_bytes(config, i, "keep", B, T, db, attn_implementation=attn)
         inp = B * T * int(config.hidden_size) * db
-        units.append(UnitBytes(lay.compute_bytes if s_params else 0, grad, saved, inp, reloaded))
+        units.append(
+            UnitBytes(lay.compute_bytes if s_params else 0, grad, saved, inp, reloaded, **state_terms(i, tensors, lay))
+        )
         uploads.append(lay.compute_bytes if s_params and grad else 0)
     embed_mod, norm_mod, head_mod = models.embed_tokens(inner), models.final_norm(inner), models.lm_head(inner)
     embed_params = list(embed_mod.parameters())
@@ -250,13 +292,15 @@ def sizes_from_model(
     embed = head = UnitBytes()
     if plan.stream_embeddings:
 
-        def unit(ps: list[torch.Tensor]) -> UnitBytes:
+        def unit(ps: list[torch.Tensor], key: int) -> UnitBytes:
             if not ps:
                 return UnitBytes()
-            lay = layer_layout([(p.numel(), p.dtype, p.requires_grad) for p in ps], compute_dtype)
-            return UnitBytes(lay.compute_bytes, sum(p.numel() * cdt(p).itemsize for p in ps if p.requires_grad))
+            tensors = [(p.numel(), p.dtype, p.requires_grad) for p in ps]
+            lay = layer_layout(tensors, compute_dtype)
+            g = sum(p.numel() * cdt(p).itemsize for p in ps if p.requires_grad)
+            return UnitBytes(lay.compute_bytes, g, **state_terms(key, tensors, lay))
 
-        embed, head = unit(embed_params), unit(head_params)
+        embed, head = unit(embed_params, -1), unit(head_params, len(layers_mod))
         streamed.update(id(p) for p in embed_params + head_params)
     on_cpu = torch.device(device).type == "cpu"
     res = [p for p in root.parameters() if id(p) not in streamed and p.requires_grad]

@@ -291,9 +291,16 @@ class ParameterBinder:
 
     def _restore_parameters(self) -> None:
         """`remove()`: every parameter back on its original device with its current value, buffers back."""
+        spill = getattr(self, "nvme_state", None)
         with torch.no_grad():
             for st in self._all.values():
                 if st.store is None:
+                    continue
+                if spill is not None and st.index in spill.units:
+                    # Note: [Units whose state is on NVMe stay on disk after remove()] in streaming/nvmestate.py
+                    spill.leave_on_disk(st.index, st.store)
+                    st.slot = None
+                    st.bound = False
                     continue
                 for e in st.store.entries:
                     src = st.store.compute_views[e.name]

@@ -72,6 +72,10 @@ class GradientSink:
             fresh = not ls.has_grad
             last = self._is_last_micro_batch()
             reduce = last and self.host_grad_reducer is not None
+            spilled = self._spilled(i)
+            if spilled:
+                # the accumulator is a host window over the unit's file (lazytrain_hf.streaming.nvmestate)
+                self.nvme_state.open_grad(i, ls, accumulate=not fresh)
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             if self.grad_reducer is not None:
                 # every rank must reduce the same tensors in the same order: a parameter without a gradient here
@@ -98,7 +102,7 @@ class GradientSink:
             else:
                 self.sq_norms.pop(i, None)
             ls.has_grad = True
-            after = self._after_offload(i, host_norm=last and not device_norm, reduce=reduce)
+            after = self._after_offload(i, host_norm=last and not device_norm, reduce=reduce, spilled=spilled)
             self.engine.offload_grads(pairs, accumulate=not fresh, after=after, layer=i)
             self._drop_device_grads(st)
         elif self._callbacks:
@@ -107,12 +111,19 @@ class GradientSink:
         if i == self.head_key and self._tied:
             self._release(self.embed_key)  # the lm_head's use of the tied weight is over too
 
-    def _after_offload(self, i: int, host_norm: bool, reduce: bool = False) -> Callable[[], None] | None:
-        if not host_norm and not reduce and not self._callbacks:
+    def _spilled(self, i: int) -> bool:
+        spill = getattr(self, "nvme_state", None)
+        return spill is not None and i in spill.units
+
+    def _after_offload(
+        self, i: int, host_norm: bool, reduce: bool = False, spilled: bool = False
+    ) -> Callable[[], None] | None:
+        if not host_norm and not reduce and not self._callbacks and not spilled:
             return None
 
         def after() -> None:
-            flat = self.store.layers[i].grad
+            ls = self.store.layers[i]
+            flat = ls.grad
             if reduce:
                 # Note: [Data parallel reduces the host accumulators once per step]
                 self.host_grad_reducer(i, [flat])
@@ -120,6 +131,8 @@ class GradientSink:
                 self.sq_norms[i] = torch.dot(flat, flat)
                 self.host_norm_passes += 1
             self._run_callbacks(i)
+            if spilled:
+                self.nvme_state.close_grad(i, ls)  # written back to the unit's file, the window released
 
         return after
 
@@ -161,7 +174,10 @@ class GradientSink:
         st = self._all[i]
         out: dict[str, torch.Tensor] = {}
         if st.store is not None and st.store.has_grad:
-            out.update(st.store.grad_views)
+            if self._spilled(i) and not hasattr(st.store, "_grad_window"):
+                out.update(self.nvme_state.read_grads(i, st.store))  # copies read from the unit's file
+            else:
+                out.update(st.store.grad_views)
         for pid, p in st.trainable.items():
             if pid not in self._streamed_ids and p.grad is not None:
                 out[self._names[pid]] = p.grad
@@ -175,7 +191,10 @@ class GradientSink:
         out: dict[str, torch.Tensor] = {}
         for st in self._all.values():
             if st.store is not None and st.store.has_grad:
-                out.update(st.store.grad_views)
+                if self._spilled(st.index):
+                    out.update(self.nvme_state.read_grads(st.index, st.store))  # copies read from the unit's file
+                else:
+                    out.update(st.store.grad_views)
         for n, p, _ in self._resident:
             if p.grad is not None:
                 out[n] = p.grad
@@ -201,7 +220,11 @@ class GradientSink:
         for i, st in self._all.items():
             ls = st.store
             if ls is not None and ls.grad is not None and ls.has_grad and i not in self.sq_norms:
-                self.sq_norms[i] = torch.dot(ls.grad, ls.grad)
+                if self._spilled(i):
+                    flat = torch.cat([g.reshape(-1) for g in self.nvme_state.read_grads(i, ls).values()])
+                    self.sq_norms[i] = torch.dot(flat, flat)
+                else:
+                    self.sq_norms[i] = torch.dot(ls.grad, ls.grad)
                 self.host_norm_passes += 1
         keys: list[int | str] = sorted(self.sq_norms)
         vals = [self.sq_norms[i] for i in keys]

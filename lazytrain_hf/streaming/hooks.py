@@ -44,6 +44,7 @@ from .completion import CompletionTracker, _Boundary
 from .engine import TransferEngine
 from .gradients import GradientSink
 from .loss import chunked_causal_lm_loss
+from .nvmestate import NvmeState
 from .scheduler import FetchScheduler
 from .store import HostStore, has_disk_source
 from .units import EMBED_KEY, HeadUnits
@@ -97,6 +98,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         nvme_dir: str | None,
         pin_memory: bool | None,
         compute_dtype: torch.dtype | None = None,
+        state_nvme: dict[str, Any] | None = None,
     ):
         self.model = model
         self.root = hf_root(model)
@@ -155,6 +157,22 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         if activation_engine is None:
             activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
         self.activations = activation_engine
+        # the training state of the units in plan.state_nvme lives on NVMe (lazytrain_hf.streaming.nvmestate)
+        self.nvme_state: NvmeState | None = None
+        if plan.state_nvme:
+            if not state_nvme or not state_nvme.get("dir"):
+                raise ValueError(
+                    f"plan.state_nvme lists units {plan.state_nvme} but no state_nvme_dir was given; pass "
+                    "state_nvme_dir (LazyTrainingArguments) or a plan without state_nvme."
+                )
+            self.nvme_state = NvmeState(
+                state_nvme["dir"],
+                self.trace,
+                block_size=int(state_nvme.get("block_size", 256)),
+                min_8bit_size=int(state_nvme.get("min_8bit_size", 4096)),
+            )
+            wanted = set(plan.state_nvme)
+            self.store.on_add = lambda key, ls: self.nvme_state.add_unit(key, ls) if key in wanted else None
         if hasattr(activation_engine, "set_trace"):
             activation_engine.set_trace(self.trace)
 
@@ -164,7 +182,13 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         # stage at which the backward fetch of layer i is issued (or None for resident layers)
         self._bwd_issue = {lp.index: plan.bwd_issue_stage(lp.index) for lp in plan.layers}
 
-        self._install_store(model, layers)
+        try:
+            self._install_store(model, layers)
+        except BaseException:
+            if self.nvme_state is not None:
+                self.nvme_state.close()
+            raise
+        self.store.on_add = None
 
         # ---- phase 4: hooks ----
         for st in self._layers:
@@ -402,6 +426,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             h.remove()
         self._hooks.clear()
         self._restore_parameters()
+        if self.nvme_state is not None:
+            self.nvme_state.release()
         self.activations.close()
         self.engine.close()
         self.store.layers.clear()
@@ -442,6 +468,9 @@ def attach(
     nvme_dir: str | None = None,
     pin_memory: bool | None = None,
     compute_dtype: torch.dtype | None = None,
+    state_nvme_dir: str | None = None,
+    optim_block_size: int = 256,
+    optim_min_8bit_size: int = 4096,
 ) -> StreamHandle:
     """Install the layer-streaming executor on a HF causal-LM model (or a PEFT wrapper of one).
 
@@ -455,6 +484,9 @@ def attach(
         nvme_dir: directory for activations the plan offloads to NVMe.
         pin_memory: pin the host store; default: on CUDA only.
         compute_dtype: ``torch.bfloat16`` to compute with a bf16 copy of an fp32 model (``bf16=True``).
+        state_nvme_dir: directory for the training state of the units in ``plan.state_nvme``
+            (`lazytrain_hf.streaming.nvmestate`), laid out for the optimizer's ``optim_block_size`` and
+            ``optim_min_8bit_size``.
 
             Note: [A bf16 compute copy of an fp32 model]
                 Every fp32 parameter is computed in bf16: the host store's compute copy (what slots receive) and
@@ -520,6 +552,7 @@ def attach(
             f"attach(compute_dtype={compute_dtype!r}): only torch.bfloat16 (or None: each parameter's own dtype) is "
             "supported."
         )
-    handle = StreamHandle(model, plan, dev, activation_engine, nvme_dir, pin_memory, compute_dtype)
+    state_nvme = {"dir": state_nvme_dir, "block_size": optim_block_size, "min_8bit_size": optim_min_8bit_size}
+    handle = StreamHandle(model, plan, dev, activation_engine, nvme_dir, pin_memory, compute_dtype, state_nvme)
     _ATTACHED.add(model)
     return handle

@@ -29,7 +29,8 @@ class FetchScheduler:
     # Note: [A prefetch never waits for the optimizer]: fetch_ready(layer) -> whether a fetch may read the layer's
     # host compute copy now (its update is done); set by the layer-wise updater next to ``fetch_guard``
     fetch_ready = None
-    fetch_deferrals: int = 0  # prefetches deferred because their layer's update was not done
+    fetch_deferrals: int = 0
+    nvme_state = None  # the state on NVMe of the units in plan.state_nvme (lazytrain_hf.streaming.nvmestate)  # prefetches deferred because their layer's update was not done
 
     def _fetch(self, i: int, urgent: bool) -> bool:
         st = self._all[i]
@@ -46,7 +47,15 @@ class FetchScheduler:
             slot = self.engine.acquire(st.kind, urgent)
         if slot is None:
             return False
-        self.engine.copy_in(slot, st.store.compute_bytes, i)
+        spill = self.nvme_state
+        if spill is not None and i in spill.units:
+            # the compute copy is read from NVMe into a host window first (lazytrain_hf.streaming.nvmestate)
+            src = spill.read_compute(i)
+            self.engine.copy_in(slot, src, i)
+            if self.engine.is_async:
+                spill.hold(slot.ready, src)  # the window lives until the copy read it
+        else:
+            self.engine.copy_in(slot, st.store.compute_bytes, i)
         st.slot = slot
         return True
 

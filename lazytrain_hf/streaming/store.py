@@ -318,6 +318,9 @@ class HostStore:
         self.pin_memory = pin_memory
         self.layers: dict[int, LayerStore] = {}
         self.arena: PinnedArena | None = None
+        # called as on_add(index, layer_store) once a layer is built (the state on NVMe takes it over right away, so
+        # building the store never holds more than one such layer in RAM: lazytrain_hf.streaming.nvmestate)
+        self.on_add: Callable[[int, LayerStore], None] | None = None
 
     def reserve(self, nbytes: int) -> PinnedArena:
         """Allocate the pinned arena the layers added next carve their compute copy and gradient accumulators from
@@ -450,6 +453,8 @@ class HostStore:
                     e.param.data = target
                 del src
         self.layers[index] = ls
+        if self.on_add is not None:
+            self.on_add(index, ls)
         return ls
 
     def host_bytes(self) -> dict[str, int]:

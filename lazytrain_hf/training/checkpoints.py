@@ -537,8 +537,6 @@ def _is_pretrained(model) -> bool:
     return isinstance(model, PreTrainedModel)
 
 
-
-
 def _weight_transforms(model) -> list:
     """The weight transforms `from_pretrained` applies to ``model``'s checkpoints: the ones it recorded when it loaded
     the model, else transformers' conversion mapping for the model's class (as `revert_weight_conversion` picks the

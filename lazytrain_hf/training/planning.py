@@ -183,14 +183,16 @@ def predict_bytes(
     from ..planner import schedule
 
     offload = None
-    if (
-        batch is not None
-        and any(lp.policy.startswith("offload") for lp in plan.layers)
-        and not weights_on_disk(model)
-    ):
+    if batch is not None and any(lp.policy.startswith("offload") for lp in plan.layers) and not weights_on_disk(model):
         offload = measure_offload_bytes(model, batch, args.device, compute_dtype)
     sizes = schedule.sizes_from_model(
-        model, plan, compute_dtype=compute_dtype, device=args.device, offload_bytes=offload
+        model,
+        plan,
+        compute_dtype=compute_dtype,
+        device=args.device,
+        offload_bytes=offload,
+        block_size=int(getattr(args, "optim_block_size", 256)),
+        min_8bit_size=int(getattr(args, "optim_min_8bit_size", 4096)),
     )
     out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)))
     plan.predicted["bytes_per_step"] = out
@@ -335,6 +337,8 @@ def host_footprint(
         plan = Plan.default(
             len(kinds), kinds, stream_embeddings=bool(getattr(args, "stream_embeddings", False)), model=""
         )
+        if getattr(args, "state_nvme_dir", None):
+            place_state(plan, model, args, hybrid_8bit=hybrid_8bit, compute_dtype=compute_dtype)
     kw: dict[str, Any] = {}
     if args is not None:
         kw = dict(
@@ -344,6 +348,31 @@ def host_footprint(
             min_8bit_size=int(getattr(args, "optim_min_8bit_size", hostmem.DEFAULT_MIN_8BIT_SIZE)),
         )
     return hostmem.run_footprint(model, plan, compute_dtype=compute_dtype, hybrid_8bit=hybrid_8bit, **kw)
+
+
+def place_state(
+    plan, model: torch.nn.Module, args: Any, hybrid_8bit: bool = True, compute_dtype: torch.dtype | None = None
+) -> list[int]:
+    """Set ``plan.state_nvme``: the streamed units whose training state lives in ``args.state_nvme_dir`` (none
+    without it): with ``state_nvme_layers="auto"`` the fewest that bring the whole host footprint within
+    ``planner_host_budget`` (else the available RAM minus the reserve), with ``"all"`` every one
+    (`lazytrain_hf.planner.hostmem.place_state`). Returns the keys."""
+    from ..planner import hostmem
+
+    if not getattr(args, "state_nvme_dir", None):
+        plan.state_nvme = []
+        return []
+    units = hostmem.units_of_model(model, plan)
+    given = getattr(args, "planner_host_budget", None)
+    budget = int(given) if given is not None else default_host_budget()
+
+    def footprint(keys):
+        plan.state_nvme = sorted(keys)
+        return host_footprint(plan, model, hybrid_8bit=hybrid_8bit, compute_dtype=compute_dtype, args=args)
+
+    keys = hostmem.place_state(plan, units, budget, footprint, everything=args.state_nvme_layers == "all")
+    plan.state_nvme = keys
+    return keys
 
 
 def check_host_memory(
@@ -384,9 +413,15 @@ def check_host_memory(
         ) + "; or allow the nvme tier (activation_tiers, activation_nvme_dir) so activations leave host memory"
     else:
         n_all = sum(p.numel() for p in model.parameters())
+        nvme = (
+            "even with every streamed layer's state in state_nvme_dir"
+            if getattr(args, "state_nvme_dir", None)
+            else "set state_nvme_dir=/path/on/nvme to keep the training state of streamed layers on NVMe"
+        )
         hint = (
-            f"even batch 1 does not fit: the model state alone needs {format_bytes(rest)} ({n_all} parameters): train LoRA adapters (frozen "
-            "weights need no master, gradients or optimizer state), use bf16 weights, or a larger machine"
+            f"even batch 1 does not fit: the model state alone needs {format_bytes(rest)} ({n_all} parameters; "
+            f"{nvme}): train LoRA adapters (frozen weights need no master, gradients or optimizer state), stream "
+            "the embeddings (stream_embeddings=True), or use a larger machine"
         )
     raise ValueError(
         f"host memory: this run needs {need} bytes ({format_bytes(need)}) at its peak ({fp.describe()}"

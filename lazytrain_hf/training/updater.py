@@ -97,6 +97,11 @@ class LayerwiseUpdater:
             ls = handle.store.layers[i]
             fused = not ls.aliased and all(e.dtype == torch.bfloat16 for e in ls.trainable_entries)
             self._outs[i] = [ls.compute_views[name] for name, _, _ in entries] if fused else None
+        # units whose state is on NVMe: updated out of core (Note: [The out-of-core optimizer step is chunked] in
+        # streaming/nvmestate.py), their masters here are placeholders the optimizer never touches
+        self.nvme_state = getattr(handle, "nvme_state", None)
+        self._spilled = set(self.nvme_state.units) if self.nvme_state is not None else set()
+        self._commits = self.nvme_state.step if self.nvme_state is not None else 0
         self._events = {i: threading.Event() for i in self.layers}
         self._resident_done = threading.Event()
         for ev in [*self._events.values(), self._resident_done]:
@@ -128,6 +133,12 @@ class LayerwiseUpdater:
         self._where = {
             id(p): (gi, k) for gi, g in enumerate(optimizer.param_groups) for k, p in enumerate(g["params"])
         }
+        if self.nvme_state is not None:
+            self.nvme_state.check_optimizer(
+                optimizer,
+                self._where,
+                {i: [m for _, m, _ in self.layers[i]] for i in self._spilled if i in self.layers},
+            )
 
     # ------------------------------------------------------------------ running
     def run(self, clip_coef: float | None) -> None:
@@ -154,6 +165,11 @@ class LayerwiseUpdater:
         layers = []
         for i, entries in self.layers.items():
             fresh = self.handle.store.layers[i].has_grad
+            if i in self._spilled:
+                # the groups' hyperparameters per tensor; the gradients are read from the unit's file
+                layers.append((i, (fresh, [self._where[id(m)][0] for _, m, _ in entries])))
+                self._events[i].clear()
+                continue
             for _, master, grad in entries:
                 master.grad = grad if fresh else None
             layers.append((i, [m for _, m, _ in entries]))
@@ -261,6 +277,21 @@ class LayerwiseUpdater:
                 self._resident_done.set()
                 for i, params in layers:
                     t0 = clock()
+                    if i in self._spilled:
+                        fresh, gis = params
+                        if fresh:
+                            self.nvme_state.update_unit(
+                                i,
+                                [frozen[gi] for gi in gis],
+                                self.optimizer.backend,
+                                1.0 if clip is None else float(clip),
+                                step,
+                            )
+                        else:
+                            self.nvme_state.skip_unit(i)
+                        trace.update(i, t0, clock())
+                        self._events[i].set()
+                        continue
                     outs = self._outs[i]
                     if outs is not None:
                         self.handle.engine.wait_host_reads(i)  # Note: [The compute copy is written in the fused pass]
@@ -270,6 +301,10 @@ class LayerwiseUpdater:
                     self.handle.sync_compute(i, compute_written=written)
                     trace.update(i, t0, clock())
                     self._events[i].set()
+                if self.nvme_state is not None:
+                    # Note: [The state on NVMe commits per optimizer step]
+                    self._commits += 1
+                    self.nvme_state.commit(self._commits)
         except BaseException as e:  # surfaced to the training thread by the next wait
             self._error = e
         finally:

@@ -1,0 +1,797 @@
+"""Training state of streamed units on NVMe: per-unit state files, chunked out-of-core optimizer step, crash safety.
+
+A streamed unit (decoder layer, or the streamed embedding / head) listed in ``plan.state_nvme`` keeps none of its
+training state in host RAM between uses. `NvmeState` owns one file per such unit in a private directory under
+``state_nvme_dir``:
+
+- ``compute``: the compute copy, laid out as the host store lays it out (`store.layer_layout`), the source of every
+  weight fetch: a fetch reads it into a host window, then the window is copied to the device slot as usual;
+- ``grad``: the fp32 gradient accumulator (store layout). A completed backward's gradients land in a host window
+  (`open_grad`; with gradient accumulation the window first reads the accumulated gradient), their norm is taken
+  there, and the window is written back (`close_grad`);
+- two generations of the optimizer state, per trainable parameter: fp32 master, and for 8-bit tensors the
+  `Quantized8bit` codes and block scales of ``exp_avg`` and ``exp_avg_sq``. Tensors below ``min_8bit_size`` keep
+  their fp32 moments in RAM (norms and biases: a few KB per layer). Each parameter's arrays start at `IO_ALIGN`
+  and are padded to it, so chunks never share a block of the file.
+
+Note: [The out-of-core optimizer step is chunked]
+    `update_unit` runs a unit's AdamW step in chunks of `CHUNK_ELEMS` elements of one parameter (a multiple of
+    every block size, so a chunk holds whole quantisation blocks and the kernel computes exactly what one pass over
+    the whole tensor computes; every array offset stays `IO_ALIGN`-aligned). A reader thread loads chunk ``k + 1``
+    (master, gradient, codes, scales) while chunk ``k`` is updated and a writer thread writes chunk ``k - 1``
+    back: three chunk windows, whatever the layer's size. The compute copy is written into one unit-sized window
+    (read first when the unit has frozen parameters) and written to the file when the unit is done. With
+    ``optimizer_overlap`` this runs on the updater's background thread while the next forward runs, the forward
+    of unit ``i`` waiting only for unit ``i``'s update (Note: [Update before fetch] in training/updater.py).
+    Test: ``tests/test_state_nvme.py::test_state_on_nvme_bit_exact`` (losses and every weight bit for bit equal to
+    the state in RAM, under plans, gradient accumulation and the simulated asynchronous engine).
+
+Note: [The state on NVMe commits per optimizer step]
+    The updates of step ``n`` write generation ``1 - g`` of each unit, never the generation ``g`` that holds step
+    ``n - 1``; once every unit of the pass is written, the files are flushed (``fdatasync``) and ``manifest.json``
+    (the committed step, and per unit its generation and per-parameter step counts) is replaced atomically
+    (written to a temporary file, flushed, renamed). A process killed during the write-back leaves the manifest of
+    step ``n - 1`` and that step's state intact: `read_committed` returns it bit for bit. The compute copy and the
+    gradient are caches of the step in progress (rebuilt from the masters, resp. the next backward), not part of
+    the committed state. Checkpoints are written from the committed state (`checkpoint_tensors`); a directory of a
+    process that is gone is removed by the next run in the same ``state_nvme_dir``. Tests:
+    ``tests/test_state_nvme.py::test_kill_during_write_back`` and ``::test_disk_full_during_write_back``.
+
+I/O moves whole `IO_ALIGN` blocks between aligned host windows and aligned file offsets with ``O_DIRECT`` (the page
+cache is never used, so the host footprint is the windows'), or, on filesystems that refuse ``O_DIRECT``, with
+``fdatasync`` + ``posix_fadvise(DONTNEED)`` (Note: [Spilled bytes leave RAM] in activations/nvme.py). Every read and
+write is recorded in the trace on the lanes ``nvme_read`` / ``nvme_write`` with its logical bytes, the figures
+`lazytrain_hf.planner.schedule` predicts.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import re
+import shutil
+import tempfile
+import threading
+import weakref
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..activations import nvme as _io
+from ..activations.tiers import aligned, round_up
+from ..optim.kernels import AdamWScalars, adamw8bit_step, adamw32_step
+from ..optim.quant import Quantized8bit, dynamic_lookup, num_blocks
+from ..units import format_bytes
+
+IO_ALIGN = _io.IO_ALIGN
+# Elements per optimizer chunk: a multiple of 4096 (byte offsets of 1-byte codes stay aligned) and of every block
+# size up to 4096; each chunk's block scales have a slot of their own, `IO_ALIGN`-aligned. Read when a unit is laid
+# out (`NvmeState.add_unit`), which fixes it for that unit.
+CHUNK_ELEMS = 1 << 22
+MANIFEST = "manifest.json"
+_DIR_PREFIX = "lazytrain-state_"
+_DIR_RE = re.compile(r"^lazytrain-state_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
+
+
+class StateNvmeError(OSError):
+    """Reading or writing the training state in ``state_nvme_dir`` failed (e.g. ENOSPC). The committed state (the
+    last complete optimizer step) is left as it was."""
+
+
+def aligned_empty(nbytes: int) -> torch.Tensor:
+    """An uninitialised uint8 host buffer of ``round_up(nbytes, IO_ALIGN)`` bytes at an `IO_ALIGN`-aligned address."""
+    n = round_up(max(int(nbytes), 1), IO_ALIGN)
+    return aligned(torch.empty(n + IO_ALIGN, dtype=torch.uint8), n, IO_ALIGN)
+
+
+def _poison(t: torch.Tensor) -> None:
+    """Point ``t`` (same Python object: every holder sees it) at one NaN (zero for integer dtypes) with zero strides:
+    the unit's state is not in RAM, and a read that should not happen sees garbage instead of stale values."""
+    fill = float("nan") if t.dtype.is_floating_point else 0
+    src = torch.full((1,), fill, dtype=t.dtype)
+    t.set_(src.untyped_storage(), 0, t.shape, (0,) * t.dim())
+
+
+def _rebind(t: torch.Tensor, window: torch.Tensor, byte_offset: int, shape: torch.Size) -> None:
+    """Point ``t`` at ``shape`` contiguous elements of its dtype at ``byte_offset`` of the uint8 ``window``."""
+    it = t.dtype.itemsize
+    strides = torch.empty(0).new_empty(shape).stride() if len(shape) else ()
+    base = window.storage_offset() + byte_offset
+    if base % it:
+        raise ValueError(f"byte offset {base} is not aligned to {t.dtype}")
+    t.set_(window.untyped_storage(), base // it, shape, strides)
+
+
+@dataclass
+class _Param:
+    """Where one trainable parameter's state lives in its unit's file."""
+
+    name: str
+    numel: int
+    elem_offset: int  # in the store's flat master / grad
+    q8: bool
+    nblk: int
+    master: tuple[int, int]  # file offset per generation
+    m_codes: tuple[int, int] = (0, 0)
+    v_codes: tuple[int, int] = (0, 0)
+    m_abs: tuple[int, int] = (0, 0)
+    v_abs: tuple[int, int] = (0, 0)
+    step: int = 0  # committed optimizer steps of this parameter
+    small: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 m, v in RAM (tensors under min_8bit_size)
+    chunk: int = CHUNK_ELEMS  # elements per chunk (Note: [The out-of-core optimizer step is chunked])
+    abs_slot: int = 0  # bytes of each chunk's block-scale slot
+
+    def chunks(self) -> list[tuple[int, int]]:
+        return [(a, min(self.numel, a + self.chunk)) for a in range(0, self.numel, self.chunk)]
+
+    def abs_at(self, a: int) -> int:
+        """Byte offset of the block scales of the chunk starting at element ``a``, inside a scale region."""
+        return (a // self.chunk) * self.abs_slot
+
+
+@dataclass
+class _Unit:
+    key: int
+    path: str
+    fd: int
+    compute_bytes: int
+    grad_off: int
+    train_elems: int
+    params: list[_Param]
+    has_frozen: bool
+    fused: bool  # the trainable compute copy is bf16 and written by the fused kernel (Note: [The compute copy is
+    # written in the fused pass] in training/updater.py)
+    aliased: bool
+    compute_views: list[tuple[int, int, torch.dtype]] = field(default_factory=list)  # per param (byte off, n, dtype)
+    gen: int = 0
+    pending: dict[str, int] | None = None  # step counts written to generation 1 - gen, not committed yet
+
+
+class NvmeState:
+    """The training state of the units in ``plan.state_nvme`` on NVMe (see the module docstring).
+
+    Args:
+        root: ``state_nvme_dir``; a private directory is made in it (and removed by `close`).
+        trace: the executor's `Trace`.
+        block_size, min_8bit_size: the optimizer's 8-bit layout (`HybridAdamW8bit`); checked against it in `bind`.
+        io_mode: ``"auto"`` (``O_DIRECT`` where the filesystem takes it, else fdatasync + DONTNEED), ``"direct"``,
+            ``"fadvise"``.
+    """
+
+    def __init__(self, root: str, trace, block_size: int = 256, min_8bit_size: int = 4096, io_mode: str = "auto"):
+        root = _io.check_dir(root, "state_nvme_dir")
+        if block_size & (block_size - 1) or not 16 <= block_size <= 4096:
+            raise ValueError(f"optim_block_size={block_size} must be a power of two in [16, 4096].")
+        self.root = root
+        self.trace = trace
+        self.block_size = int(block_size)
+        self.min_8bit_size = int(min_8bit_size)
+        self.removed_stale = remove_stale_state_dirs(root)
+        prefix = f"{_DIR_PREFIX}{_io._host_id()}_{os.getpid()}_{_io._process_start_ticks(os.getpid())}_"
+        self.path = tempfile.mkdtemp(prefix=prefix, dir=root)
+        why = _io.probe_direct_io(self.path) if io_mode in ("auto", "direct") else "fadvise requested"
+        if why is not None and io_mode == "direct":
+            shutil.rmtree(self.path, ignore_errors=True)
+            raise ValueError(f"state_nvme_dir={root!r}: {why}; use a filesystem that supports O_DIRECT.")
+        self.direct = why is None
+        self.io_reason = "O_DIRECT with 4096-byte aligned buffers, offsets and sizes" if self.direct else why
+        self.units: dict[int, _Unit] = {}
+        self.step = 0
+        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-r")
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-w")
+        self._held: deque = deque()  # (event, window) of asynchronous copies still reading a fetch window
+        self._lock = threading.Lock()
+        self._source = None  # the DiskSource of parameters left on disk by remove() (`leave_on_disk`)
+        self._handed_over = False
+        self._on_disk: dict[str, tuple[int, Any]] = {}
+        self._zero_m = dynamic_lookup(True).zero_code
+        self._zero_v = dynamic_lookup(False).zero_code
+        self._write_manifest()
+
+    def __repr__(self) -> str:
+        return f"NvmeState(path={self.path!r}, units={sorted(self.units)}, direct={self.direct}, step={self.step})"
+
+    # ------------------------------------------------------------------ raw I/O
+    def _pwrite(self, u: _Unit, buf: torch.Tensor, nbytes: int, offset: int) -> None:
+        """Write ``nbytes`` of the aligned window ``buf`` at ``offset`` (a multiple of `IO_ALIGN`)."""
+        try:
+            if self.direct:
+                _io._pwrite_all(u.fd, _io._bytes_of(buf[: round_up(nbytes, IO_ALIGN)]), offset)
+            else:
+                _io._pwrite_all(u.fd, _io._bytes_of(buf[:nbytes]), offset)
+                os.fdatasync(u.fd)
+                _io._drop_cached(u.fd, offset, nbytes)
+        except OSError as e:
+            raise StateNvmeError(
+                e.errno,
+                f"writing {format_bytes(nbytes)} of the training state of unit {u.key} to {u.path} failed "
+                f"({e.strerror or e}); free space on state_nvme_dir={self.root!r} (the run needs about "
+                f"{format_bytes(self.file_bytes())} there) or point state_nvme_dir at a larger disk. The last "
+                f"committed step ({self.step}) is intact.",
+            ) from e
+
+    def _pread(self, u: _Unit, out: torch.Tensor, nbytes: int, offset: int) -> None:
+        try:
+            if self.direct:
+                _io._pread_all(u.fd, _io._bytes_of(out[: round_up(nbytes, IO_ALIGN)]), offset)
+            else:
+                _io._pread_all(u.fd, _io._bytes_of(out[:nbytes]), offset)
+                _io._drop_cached(u.fd, offset, nbytes)
+        except OSError as e:
+            raise StateNvmeError(
+                e.errno, f"reading the training state of unit {u.key} from {u.path} failed ({e.strerror or e})."
+            ) from e
+
+    def _read_range(self, u: _Unit, out: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+        """Read ``nbytes`` at any ``offset`` (aligned superset into ``out``); returns the ``nbytes`` view."""
+        lo = offset - offset % IO_ALIGN
+        hi = round_up(offset + nbytes, IO_ALIGN)
+        self._pread(u, out, hi - lo, lo)
+        return out.narrow(0, offset - lo, nbytes)
+
+    def file_bytes(self) -> int:
+        return sum(os.fstat(u.fd).st_size for u in self.units.values() if u.fd >= 0)
+
+    # ------------------------------------------------------------------ building
+    def add_unit(self, key: int, ls) -> None:
+        """Move the freshly built `LayerStore` ``ls`` of unit ``key`` to its file (compute copy, masters, zero
+        moments as generation 0) and release its RAM: its flat buffers and views then point at poison."""
+        lay = ls.layout
+        params: list[_Param] = []
+        off = round_up(lay.compute_bytes, IO_ALIGN)
+        grad_off = off
+        off += round_up(4 * lay.train_elems, IO_ALIGN)
+        ents = ls.trainable_entries
+        chunk = int(CHUNK_ELEMS)
+        if chunk % IO_ALIGN or chunk % self.block_size:
+            raise ValueError(f"CHUNK_ELEMS={chunk} must be a multiple of {IO_ALIGN} and of the block size.")
+        for e in ents:
+            q8 = e.numel >= self.min_8bit_size
+            nblk = num_blocks(e.numel, self.block_size) if q8 else 0
+            slot = round_up(4 * (chunk // self.block_size), IO_ALIGN)
+            params.append(_Param(e.name, e.numel, e.elem_offset, q8, nblk, (0, 0), chunk=chunk, abs_slot=slot))
+        for g in (0, 1):
+            for p in params:
+                a = round_up(4 * p.numel, IO_ALIGN)
+                p.master = (off, p.master[1]) if g == 0 else (p.master[0], off)
+                off += a
+                if p.q8:
+                    c = round_up(p.numel, IO_ALIGN)
+                    s = len(p.chunks()) * p.abs_slot
+                    for attr, size in (("m_codes", c), ("v_codes", c), ("m_abs", s), ("v_abs", s)):
+                        cur = getattr(p, attr)
+                        setattr(p, attr, (off, cur[1]) if g == 0 else (cur[0], off))
+                        off += size
+        path = os.path.join(self.path, f"unit{key:+05d}.state")
+        flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
+        fd = os.open(path, flags, 0o600)
+        fused = not ls.aliased and bool(ents) and all(e.dtype == torch.bfloat16 for e in ents)
+        u = _Unit(
+            key,
+            path,
+            fd,
+            lay.compute_bytes,
+            grad_off,
+            lay.train_elems,
+            params,
+            len(ents) < len(ls.entries),
+            fused,
+            ls.aliased,
+            [(e.byte_offset, e.numel, e.dtype) for e in ents],
+        )
+        self.units[key] = u
+        try:
+            os.ftruncate(fd, off)
+            win = aligned_empty(lay.compute_bytes)
+            win[: lay.compute_bytes].copy_(ls.compute_bytes)
+            self._pwrite(u, win, lay.compute_bytes, 0)
+            del win
+            for p, e in zip(params, ents):
+                src = ls.master_views[e.name].reshape(-1)
+                w = aligned_empty(4 * p.numel)
+                w[: 4 * p.numel].view(torch.float32).copy_(src)
+                self._pwrite(u, w, 4 * p.numel, p.master[0])
+                if p.q8:
+                    s = len(p.chunks()) * p.abs_slot
+                    w = aligned_empty(max(p.numel, s))
+                    w[: p.numel].fill_(self._zero_m)
+                    self._pwrite(u, w, p.numel, p.m_codes[0])
+                    w[: p.numel].fill_(self._zero_v)
+                    self._pwrite(u, w, p.numel, p.v_codes[0])
+                    w[:s].zero_()
+                    self._pwrite(u, w, s, p.m_abs[0])
+                    self._pwrite(u, w, s, p.v_abs[0])
+                else:
+                    p.small = (torch.zeros(p.numel), torch.zeros(p.numel))
+                del w
+        except BaseException:
+            self.close()
+            raise
+        # the unit's RAM goes: every tensor of the store pointing at its buffers is pointed at poison
+        for t in self._store_tensors(ls):
+            _poison(t)
+        self._write_manifest()
+
+    @staticmethod
+    def _store_tensors(ls) -> list[torch.Tensor]:
+        out = [ls.compute_bytes]
+        for t in (ls.compute, ls.master, ls.grad):
+            if t is not None:
+                out.append(t)
+        for d in (ls.compute_views, ls.master_views, ls.grad_views):
+            out.extend(d.values())
+        return out
+
+    # ------------------------------------------------------------------ weight fetches
+    def read_compute(self, key: int, what: str = "fetch") -> torch.Tensor:
+        """The unit's compute copy read into a fresh aligned host window (uint8, its ``compute_bytes``)."""
+        return self._compute_window(key, what)[: self.units[key].compute_bytes]
+
+    def _compute_window(self, key: int, what: str) -> torch.Tensor:
+        u = self.units[key]
+        self._reap_held(block=False)
+        win = aligned_empty(u.compute_bytes)
+        self.trace.transfer("nvme_read", u.compute_bytes, "uint8", key, what)
+        self._pread(u, win, u.compute_bytes, 0)
+        return win
+
+    def hold(self, event: Any, window: torch.Tensor) -> None:
+        """Keep ``window`` alive until the asynchronous copy reading it (``event``) completed."""
+        with self._lock:
+            self._held.append((event, window))
+
+    def _reap_held(self, block: bool) -> None:
+        with self._lock:
+            while self._held and (block or self._held[0][0] is None or self._held[0][0].query()):
+                ev, _ = self._held.popleft()
+                if ev is not None and block:
+                    ev.synchronize()
+
+    # ------------------------------------------------------------------ gradients
+    def open_grad(self, key: int, ls, accumulate: bool) -> None:
+        """Point the unit's gradient accumulator (``ls.grad`` and its views) at a zeroed host window; with
+        ``accumulate`` the window first reads the gradient accumulated so far."""
+        u = self.units[key]
+        nbytes = 4 * u.train_elems
+        win = aligned_empty(nbytes)
+        if accumulate:
+            self.trace.transfer("nvme_read", nbytes, torch.float32, key, "grad")
+            self._pread(u, win, nbytes, u.grad_off)
+        else:
+            win[:nbytes].zero_()  # alignment padding between parameters is part of the norm: zeros
+        _rebind(ls.grad, win, 0, torch.Size([u.train_elems]))
+        for e in ls.trainable_entries:
+            _rebind(ls.grad_views[e.name], win, 4 * e.elem_offset, e.shape)
+        ls._grad_window = win
+
+    def close_grad(self, key: int, ls) -> None:
+        """Write the gradient window back to the unit's file and release it."""
+        u = self.units[key]
+        win = ls.__dict__.pop("_grad_window")
+        nbytes = 4 * u.train_elems
+        self.trace.transfer("nvme_write", nbytes, torch.float32, key, "grad")
+        self._pwrite(u, win, nbytes, u.grad_off)
+        _poison(ls.grad)
+        for t in ls.grad_views.values():
+            _poison(t)
+
+    def read_grads(self, key: int, ls) -> dict[str, torch.Tensor]:
+        """Copies of the unit's accumulated gradients read from its file (the public gradient API)."""
+        u = self.units[key]
+        nbytes = 4 * u.train_elems
+        win = aligned_empty(nbytes)
+        self.trace.transfer("nvme_read", nbytes, torch.float32, key, "grad")
+        self._pread(u, win, nbytes, u.grad_off)
+        flat = win[:nbytes].view(torch.float32)
+        return {e.name: flat.narrow(0, e.elem_offset, e.numel).view(e.shape) for e in ls.trainable_entries}
+
+    # ------------------------------------------------------------------ optimizer
+    def check_optimizer(self, optimizer, where: dict[int, tuple[int, int]], masters: dict[int, list]) -> None:
+        """The optimizer's 8-bit layout must be the one the files were laid out with."""
+        for ms in masters.values():
+            for m in ms:
+                g = optimizer.param_groups[where[id(m)][0]]
+                if g["block_size"] != self.block_size or g["min_8bit_size"] != self.min_8bit_size:
+                    raise ValueError(
+                        f"the optimizer's block_size={g['block_size']}, min_8bit_size={g['min_8bit_size']} differ "
+                        f"from the layout of the state on NVMe ({self.block_size}, {self.min_8bit_size}); pass the "
+                        "same optim_block_size / optim_min_8bit_size to LazyTrainingArguments."
+                    )
+
+    def update_unit(self, key: int, groups: list[dict], backend: str, clip: float, step: int) -> None:
+        """One AdamW step of unit ``key`` out of core (Note: [The out-of-core optimizer step is chunked]).
+
+        ``groups``: per trainable parameter in store order, its frozen hyperparameter group.
+        """
+        u = self.units[key]
+        old, new = u.gen, 1 - u.gen
+        trace = self.trace
+        cwin = aligned_empty(u.compute_bytes)
+        if u.has_frozen:
+            trace.transfer("nvme_read", u.compute_bytes, "uint8", key, "compute")
+            self._pread(u, cwin, u.compute_bytes, 0)
+        else:
+            cwin[: u.compute_bytes].zero_()
+        tasks = [(k, p, a, b) for k, p in enumerate(u.params) for a, b in p.chunks()]
+
+        def load(task):
+            _, p, a, b = task
+            n = b - a
+            w = {"master": aligned_empty(4 * n), "grad": aligned_empty(4 * n + 2 * IO_ALIGN)}
+            self._pread(u, w["master"], 4 * n, p.master[old] + 4 * a)
+            trace.transfer("nvme_read", 4 * n, torch.float32, key, "master", step=step)
+            w["g"] = self._read_range(u, w["grad"], u.grad_off + 4 * (p.elem_offset + a), 4 * n).view(torch.float32)
+            trace.transfer("nvme_read", 4 * n, torch.float32, key, "grad", step=step)
+            if p.q8:
+                bs = self.block_size
+                ba, bb = a // bs, num_blocks(b, bs)
+                for name in ("m_codes", "v_codes"):
+                    w[name] = aligned_empty(n)
+                    self._pread(u, w[name], n, getattr(p, name)[old] + a)
+                for name in ("m_abs", "v_abs"):
+                    w[name] = aligned_empty(4 * (bb - ba))
+                    self._pread(u, w[name], 4 * (bb - ba), getattr(p, name)[old] + p.abs_at(a))
+                trace.transfer("nvme_read", 2 * n + 8 * (bb - ba), torch.uint8, key, "moments", step=step)
+            return w
+
+        def store(task, w):
+            _, p, a, b = task
+            n = b - a
+            self._pwrite(u, w["master"], 4 * n, p.master[new] + 4 * a)
+            trace.transfer("nvme_write", 4 * n, torch.float32, key, "master", step=step)
+            if p.q8:
+                bs = self.block_size
+                ba, bb = a // bs, num_blocks(b, bs)
+                for name in ("m_codes", "v_codes"):
+                    self._pwrite(u, w[name], n, getattr(p, name)[new] + a)
+                for name in ("m_abs", "v_abs"):
+                    self._pwrite(u, w[name], 4 * (bb - ba), getattr(p, name)[new] + p.abs_at(a))
+                trace.transfer("nvme_write", 2 * n + 8 * (bb - ba), torch.uint8, key, "moments", step=step)
+
+        steps: dict[str, int] = {}
+        reads: deque = deque()
+        writes: deque = deque()
+        try:
+            for t in tasks[:2]:
+                reads.append(self._reader.submit(load, t))
+            for idx, task in enumerate(tasks):
+                k, p, a, b = task
+                w = reads.popleft().result()
+                if idx + 2 < len(tasks):
+                    reads.append(self._reader.submit(load, tasks[idx + 2]))
+                n = b - a
+                group = groups[k]
+                beta1, beta2 = group["betas"]
+                pstep = p.step + 1
+                steps[p.name] = pstep
+                scalars = AdamWScalars.make(
+                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], pstep, clip
+                )
+                master = w["master"][: 4 * n].view(torch.float32)
+                grad = w["g"]
+                boff, _, cdt = u.compute_views[k]
+                out = None
+                if u.fused:
+                    out = cwin.narrow(0, boff + 2 * a, 2 * n).view(torch.bfloat16)
+                if p.q8:
+                    bs = self.block_size
+                    nb = num_blocks(b, bs) - a // bs
+                    m = Quantized8bit(w["m_codes"][:n], w["m_abs"][: 4 * nb].view(torch.float32), bs, True)
+                    v = Quantized8bit(w["v_codes"][:n], w["v_abs"][: 4 * nb].view(torch.float32), bs, False)
+                    adamw8bit_step(master, grad, m, v, scalars, out, backend)
+                else:
+                    adamw32_step(master, grad, p.small[0].narrow(0, a, n), p.small[1].narrow(0, a, n), scalars, out)
+                if out is None:  # the compute copy from the master, as `LayerStore.sync` does
+                    cwin.narrow(0, boff + cdt.itemsize * a, cdt.itemsize * n).view(cdt).copy_(master)
+                while len(writes) >= 1:
+                    writes.popleft().result()
+                writes.append(self._writer.submit(store, task, w))
+            while writes:
+                writes.popleft().result()
+            trace.transfer("nvme_write", u.compute_bytes, "uint8", key, "compute", step=step)
+            self._pwrite(u, cwin, u.compute_bytes, 0)
+        except BaseException:
+            for f in (*reads, *writes):
+                with contextlib.suppress(BaseException):
+                    f.result()
+            raise
+        u.pending = steps
+
+    def skip_unit(self, key: int) -> None:
+        """The unit had no gradient this step: its committed generation stays."""
+        self.units[key].pending = None
+
+    def commit(self, step: int) -> None:
+        """Make the generations written since the last commit the committed state of optimizer step ``step``
+        (Note: [The state on NVMe commits per optimizer step])."""
+        for u in self.units.values():
+            if u.pending is not None:
+                try:
+                    os.fdatasync(u.fd)
+                except OSError as e:
+                    raise StateNvmeError(e.errno, f"flushing {u.path} failed ({e.strerror or e}).") from e
+        for u in self.units.values():
+            if u.pending is not None:
+                u.gen = 1 - u.gen
+                for p in u.params:
+                    p.step = u.pending.get(p.name, p.step)
+                u.pending = None
+        self.step = int(step)
+        self._write_manifest()
+
+    def _manifest(self) -> dict:
+        return {
+            "format": 1,
+            "step": self.step,
+            "block_size": self.block_size,
+            "min_8bit_size": self.min_8bit_size,
+            "units": {
+                str(k): {
+                    "file": os.path.basename(u.path),
+                    "gen": u.gen,
+                    "params": [
+                        {
+                            "name": p.name,
+                            "numel": p.numel,
+                            "q8": p.q8,
+                            "nblk": p.nblk,
+                            "step": p.step,
+                            "master": list(p.master),
+                            "m_codes": list(p.m_codes),
+                            "v_codes": list(p.v_codes),
+                            "m_abs": list(p.m_abs),
+                            "v_abs": list(p.v_abs),
+                            "chunk": p.chunk,
+                            "abs_slot": p.abs_slot,
+                        }
+                        for p in u.params
+                    ],
+                }
+                for k, u in self.units.items()
+            },
+        }
+
+    def _write_manifest(self) -> None:
+        tmp = os.path.join(self.path, f".{MANIFEST}.tmp")
+        with open(tmp, "w") as f:
+            json.dump(self._manifest(), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, os.path.join(self.path, MANIFEST))
+        dfd = os.open(self.path, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+
+    # ------------------------------------------------------------------ reading the committed state
+    def read_param(self, key: int, name: str, what: str) -> torch.Tensor:
+        """A fresh RAM copy of one committed array of parameter ``name`` of unit ``key``: ``what`` is ``master``
+        (fp32, flat), ``m_codes``, ``v_codes`` (uint8), ``m_abs``, ``v_abs`` (fp32 block scales); for tensors
+        under ``min_8bit_size`` ``exp_avg`` / ``exp_avg_sq`` (fp32, from RAM)."""
+        u = self.units[key]
+        p = next(p for p in u.params if p.name == name)
+        if what in ("exp_avg", "exp_avg_sq"):
+            return p.small[0 if what == "exp_avg" else 1].clone()
+        if what in ("m_abs", "v_abs"):
+            s = len(p.chunks()) * p.abs_slot
+            w = aligned_empty(s)
+            self._pread(u, w, s, getattr(p, what)[u.gen])
+            return _gather_scales(w[:s], p.chunks(), p.abs_slot, self.block_size)
+        n, dt = {"master": (4 * p.numel, torch.float32), "m_codes": (p.numel, torch.uint8)}.get(
+            what, (p.numel, torch.uint8)
+        )
+        w = aligned_empty(n)
+        self._pread(u, w, n, getattr(p, what)[u.gen])
+        return w[:n].view(dt).clone()
+
+    def write_param(self, key: int, name: str, what: str, value: torch.Tensor) -> None:
+        """Overwrite one committed array (as `read_param` names them): resuming from a checkpoint."""
+        u = self.units[key]
+        p = next(p for p in u.params if p.name == name)
+        if what in ("exp_avg", "exp_avg_sq"):
+            p.small[0 if what == "exp_avg" else 1].copy_(value.reshape(-1))
+            return
+        if what in ("m_abs", "v_abs"):
+            s = len(p.chunks()) * p.abs_slot
+            w = aligned_empty(s)
+            w[:s].zero_()
+            scales = value.detach().reshape(-1).to(torch.float32)
+            for a, b in p.chunks():
+                ba, bb = a // self.block_size, num_blocks(b, self.block_size)
+                w.narrow(0, p.abs_at(a), 4 * (bb - ba)).view(torch.float32).copy_(scales[ba:bb])
+            self._pwrite(u, w, s, getattr(p, what)[u.gen])
+            return
+        flat = value.detach().reshape(-1).contiguous().view(torch.uint8)
+        w = aligned_empty(flat.numel())
+        w[: flat.numel()].copy_(flat)
+        self._pwrite(u, w, flat.numel(), getattr(p, what)[u.gen])
+
+    def write_compute_param(self, key: int, ls, name: str, value: torch.Tensor) -> None:
+        """Overwrite one parameter's compute copy (its bytes in the unit's compute region)."""
+        u = self.units[key]
+        e = next(e for e in ls.entries if e.name == name)
+        win = self._compute_window(key, "restore")
+        e.view_bytes(win).copy_(value.to(e.dtype).view(e.shape))
+        self._pwrite(u, win, u.compute_bytes, 0)
+
+    def set_steps(self, key: int, steps: dict[str, int]) -> None:
+        for p in self.units[key].params:
+            if p.name in steps:
+                p.step = int(steps[p.name])
+        self._write_manifest()
+
+    def param_steps(self, key: int) -> dict[str, int]:
+        return {p.name: p.step for p in self.units[key].params}
+
+    # ------------------------------------------------------------------ after training
+    def leave_on_disk(self, key: int, ls) -> None:
+        """Note: [Units whose state is on NVMe stay on disk after remove()]
+        `StreamHandle.remove()` gives every parameter its trained value; for a unit whose state is on NVMe that
+        value stays in the state file: the parameter becomes a meta tensor with a `DiskSource` reading its
+        committed value (the fp32 master where the compute copy was a bf16 copy of an fp32 parameter, else the
+        compute copy), as `lazytrain_hf.from_pretrained` leaves weights on disk. Saving the model
+        (`LazyTrainer.save_model`, `checkpoints.save_streamed`) and the next `attach` read it layer by layer;
+        the state directory goes when the last such parameter does (or at interpreter exit). Materialising
+        the whole model here would need the host memory the run was planned not to use.
+        """
+        from .store import DISK_ATTR, DiskSource
+
+        if self._source is None:
+            self._source = DiskSource(self._read_for_disk, f"state_nvme_dir {self.path}")
+            weakref.finalize(self._source, _remove_dir, [u.fd for u in self.units.values()], self.path)
+            self._handed_over = True
+        for e in ls.entries:
+            p = e.param
+            meta = torch.empty(e.shape, dtype=e.orig_dtype or e.dtype, device="meta")
+            torch.utils.swap_tensors(p, torch.nn.Parameter(meta, requires_grad=p.requires_grad))
+            setattr(p, DISK_ATTR, (self._source, e.name))
+            p.grad = None
+            self._on_disk[e.name] = (key, e)
+
+    def _read_for_disk(self, names: list[str]) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        windows: dict[int, torch.Tensor] = {}
+        for name in names:
+            key, e = self._on_disk[name]
+            want = e.orig_dtype or e.dtype
+            if e.trainable and e.orig_dtype is not None:
+                out[name] = self.read_param(key, name, "master").view(e.shape).to(want)
+                continue
+            if key not in windows:
+                windows[key] = self._compute_window(key, "save")
+            out[name] = e.view_bytes(windows[key]).to(want, copy=True)
+        return out
+
+    def release(self) -> None:
+        """The executor is removed: close everything unless parameters were left on disk (`leave_on_disk`), whose
+        source then owns the files."""
+        self._reap_held(block=True)
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        if not self._handed_over:
+            self.close()
+
+    # ------------------------------------------------------------------ lifetime
+    def close(self) -> None:
+        """Close the files and remove the private directory."""
+        self._reap_held(block=True)
+        self._reader.shutdown(wait=True)
+        self._writer.shutdown(wait=True)
+        for u in self.units.values():
+            if u.fd >= 0:
+                with contextlib.suppress(OSError):
+                    os.close(u.fd)
+                u.fd = -1
+        shutil.rmtree(self.path, ignore_errors=True)
+
+
+def _gather_scales(region: torch.Tensor, chunks: list[tuple[int, int]], slot: int, block_size: int) -> torch.Tensor:
+    """The block scales of a tensor from its per-chunk slots (uint8 ``region``) as one fp32 tensor."""
+    parts = []
+    for a, b in chunks:
+        nb = num_blocks(b, block_size) - a // block_size
+        start = (a // (chunks[0][1] - chunks[0][0])) * slot if chunks else 0
+        parts.append(region.narrow(0, start, 4 * nb).view(torch.float32))
+    return torch.cat(parts).clone() if parts else torch.zeros(0)
+
+
+def _remove_dir(fds: list[int], path: str) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def read_committed(path: str) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
+    """The committed state in a state directory (`NvmeState.path`), independent of any process: per unit key, per
+    parameter, ``{"master", "m_codes", "m_abs", "v_codes", "v_abs"}`` (8-bit tensors; ``master`` only for the
+    others, whose moments live in RAM) and ``"step"`` (a 0-dim int64). Note: [The state on NVMe commits per
+    optimizer step]."""
+    with open(os.path.join(path, MANIFEST)) as f:
+        man = json.load(f)
+    out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+    for key, unit in man["units"].items():
+        g = unit["gen"]
+        with open(os.path.join(path, unit["file"]), "rb") as f:
+            per: dict[str, dict[str, torch.Tensor]] = {}
+            for p in unit["params"]:
+                arrays: dict[str, torch.Tensor] = {"step": torch.tensor(p["step"])}
+                spec = [("master", 4 * p["numel"], torch.float32)]
+                if p["q8"]:
+                    spec += [("m_codes", p["numel"], torch.uint8), ("v_codes", p["numel"], torch.uint8)]
+                for name, n, dt in spec:
+                    f.seek(p[name][g])
+                    arrays[name] = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).view(dt)
+                if p["q8"]:
+                    chunks = [(a, min(p["numel"], a + p["chunk"])) for a in range(0, p["numel"], p["chunk"])]
+                    for name in ("m_abs", "v_abs"):
+                        f.seek(p[name][g])
+                        raw = torch.frombuffer(bytearray(f.read(len(chunks) * p["abs_slot"])), dtype=torch.uint8)
+                        arrays[name] = _gather_scales(raw, chunks, p["abs_slot"], man["block_size"])
+                per[p["name"]] = arrays
+        out[int(key)] = per
+    return out
+
+
+def remove_stale_state_dirs(root: str) -> list[str]:
+    """Remove the private state directories in ``root`` of processes of this host that are gone."""
+    removed = []
+    host = _io._host_id()
+    for name in os.listdir(root):
+        m = _DIR_RE.match(name)
+        if m is None or m["host"] != host:
+            continue
+        if _io._process_alive(int(m["pid"]), int(m["start"])):
+            continue
+        path = os.path.join(root, name)
+        shutil.rmtree(path, ignore_errors=True)
+        if not os.path.exists(path):
+            removed.append(path)
+    return removed
+
+
+def update_bytes(
+    tensors: list[tuple[int, Any, bool]],
+    compute_bytes: int,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
+) -> tuple[int, int]:
+    """``(bytes read, bytes written)`` of one `NvmeState.update_unit` of a unit whose streamed tensors are
+    ``[(numel, dtype, trainable)]``: per trainable tensor its master and gradient (and 8-bit codes and scales) in, its
+    master (and moments) out; the compute copy out, and in first when the unit has frozen tensors."""
+    read = write = 0
+    for n, _, t in tensors:
+        if not t:
+            continue
+        q = 2 * n + 8 * math.ceil(n / block_size) if n >= min_8bit_size else 0
+        read += 8 * n + q
+        write += 4 * n + q
+    write += compute_bytes
+    if any(not t for _, _, t in tensors):
+        read += compute_bytes
+    return read, write
+
+
+def state_file_bytes(
+    tensors: list[tuple[int, torch.dtype, bool]],
+    compute_bytes: int,
+    train_elems: int,
+    block_size: int = 256,
+    min_8bit_size: int = 4096,
+) -> int:
+    """Bytes of one unit's state file (`NvmeState.add_unit`'s layout) for its trainable tensors' sizes."""
+    off = round_up(compute_bytes, IO_ALIGN) + round_up(4 * train_elems, IO_ALIGN)
+    for n, _, t in tensors:
+        if not t:
+            continue
+        off += 2 * round_up(4 * n, IO_ALIGN)
+        if n >= min_8bit_size:
+            slots = math.ceil(n / CHUNK_ELEMS) * round_up(4 * (CHUNK_ELEMS // block_size), IO_ALIGN)
+            off += 2 * (2 * round_up(n, IO_ALIGN) + 2 * slots)
+    return off
