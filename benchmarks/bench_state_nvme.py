@@ -3,7 +3,7 @@ of a run whose state lives on NVMe against the same run with the state in RAM.
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_state_nvme.py --headline --work /scratch/nvme_bench
     PYTHONPATH=. .venv/bin/python benchmarks/bench_state_nvme.py --bitexact --work /scratch/nvme_bench --steps 4 --ga 2
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_state_nvme.py --headline --tiny     # ~5M parameters, < 1 minute
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_state_nvme.py --headline --tiny     # ~6M parameters, < 1 minute
 
 Both modes train on a checkpoint of a randomly initialised model written by `write_random_checkpoint`, which never
 materialises the model: the model is built on the meta device for its names and shapes, and each tensor is generated
@@ -23,8 +23,13 @@ write bytes against the plan's ``predicted["bytes_per_step"]`` (they must be equ
 with the state in RAM and once with every streamed unit's state on NVMe (``state_nvme_layers="all"``); the per
 micro-batch losses (float bits) and every tensor of the saved final weights must be equal, else the exit status is 1.
 
-``--tiny`` swaps either model for a ~5M-parameter one of the same family (and a host budget of half its state, so
-that some units still go to NVMe), to check the whole path in under a minute.
+``--bitexact`` runs the fixed ``planner_policy="default"`` plan (every decoder layer streamed) unless ``--policy``
+says otherwise, so that the two runs differ only in where the state lives; the script prints which units the plan put
+on NVMe and which layers it keeps resident on the device (a resident layer's state stays in RAM).
+
+``--tiny`` swaps either model for a ~6M-parameter one of the same family (with ``--headline``, small device and host
+budgets, `TINY_GPU_BUDGET` and `TINY_HOST_BUDGET`, so that layers are streamed and part of the state goes to NVMe),
+to check the whole path in under a minute.
 """
 
 from __future__ import annotations
@@ -92,21 +97,26 @@ QWEN3_300M = dict(
     bos_token_id=151643,
     eos_token_id=151645,
 )
-# ~5M-parameter stand-ins of the same families for --tiny.
+# ~6M-parameter stand-ins of the same families for --tiny.
 _TINY = dict(
     hidden_size=256,
     intermediate_size=768,
-    num_hidden_layers=4,
+    num_hidden_layers=6,
     num_attention_heads=4,
     num_key_value_heads=2,
     head_dim=64,
-    vocab_size=8192,
+    vocab_size=4096,
     max_position_embeddings=4096,
     bos_token_id=None,
     eos_token_id=None,
 )
-TINY_QWEN2 = {**QWEN25_3B, **_TINY, "max_window_layers": 4}
+TINY_QWEN2 = {**QWEN25_3B, **_TINY, "max_window_layers": 6}
 TINY_QWEN3 = {**QWEN3_300M, **_TINY}
+# --tiny --headline budgets, so that the small model is streamed as the large one would be: a device budget near the
+# smallest feasible (12.9 MiB on the CPU device at 1 x 256 tokens), where the MILP streams every decoder layer, and a
+# host budget under the state (~70 MiB) plus the run's buffers, so that "auto" puts part of the state on NVMe.
+TINY_GPU_BUDGET = "16MiB"
+TINY_HOST_BUDGET = "60MiB"
 
 # Elements generated and written at once: the writer's working memory is one block (fp32 draw + its cast).
 BLOCK_ELEMS = 1 << 19
@@ -415,7 +425,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     g = torch.Generator().manual_seed(spec["seed"])
     ids = torch.randint(0, model.config.vocab_size, (steps * ga, seq), generator=g).tolist()
     dataset = Dataset.from_list([{"input_ids": row, "labels": row} for row in ids])
-    args = LazyTrainingArguments(
+    kw = dict(
         output_dir=spec["output_dir"],
         per_device_train_batch_size=1,
         gradient_accumulation_steps=ga,
@@ -429,8 +439,11 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         logging_steps=1,
         planner_warmup_steps=0,
         stream_embeddings=True,
-        **spec["lazy"],
     )
+    if not torch.cuda.is_available():
+        kw["use_cpu"] = True  # TrainingArguments refuses bf16 on a machine without a GPU otherwise
+    kw.update(spec["lazy"])
+    args = LazyTrainingArguments(**kw)
 
     class Clock(TrainerCallback):
         def __init__(self):
@@ -488,6 +501,14 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         with open(plan_path) as f:
             plan = json.load(f)
         out["predicted_bytes_per_step"] = plan.get("predicted", {}).get("bytes_per_step")
+        out["plan"] = {
+            "source": plan.get("source"),
+            "hardware": plan.get("hardware"),
+            "layers": len(plan["layers"]),
+            "resident_layers": [i for i, lp in enumerate(plan["layers"]) if lp.get("resident")],
+            "policies": sorted({lp.get("policy") for lp in plan["layers"]}),
+            "state_nvme": plan.get("state_nvme", []),
+        }
     return out
 
 
@@ -550,12 +571,16 @@ def _fresh_dir(path: str) -> str:
     return path
 
 
-def _lazy_args(args, **kw) -> dict[str, Any]:
+def _lazy_args(args, policy: str | None, **kw) -> dict[str, Any]:
     out = dict(kw)
+    if policy is not None:
+        out["planner_policy"] = policy
     if args.hardware is not None:
         out["planner_hardware"] = args.hardware
+    if args.gpu_budget is not None:
+        out["planner_gpu_budget"] = args.gpu_budget
     if args.cpu:
-        out["use_cpu"] = True
+        out["use_cpu"] = True  # also implied on a machine without CUDA
     return out
 
 
@@ -566,7 +591,9 @@ def headline(args, argv: list[str]) -> int:
     ckpt = os.path.join(work, "qwen2_tiny" if args.tiny else "qwen2.5-3b")
     _checkpoint(config, ckpt, torch.bfloat16)
     st = state_bytes(config)
-    budget = args.host_budget or (str(st["total"] // 2) if args.tiny else "6GiB")
+    budget = args.host_budget or (TINY_HOST_BUDGET if args.tiny else "6GiB")
+    if args.tiny and args.gpu_budget is None:
+        args.gpu_budget = TINY_GPU_BUDGET
     print(
         f"state: {gib(st['total'])} for {st['params'] / 1e6:.1f}M parameters (fp32 master {gib(st['master'])} + "
         f"bf16 compute {gib(st['compute'])} + fp32 grad {gib(st['grad'])} + 8-bit moments with absmax "
@@ -583,7 +610,9 @@ def headline(args, argv: list[str]) -> int:
         "seq_len": args.seq_len,
         "seed": 0,
         "lr": args.lr,
-        "lazy": _lazy_args(args, state_nvme_dir=state_dir, state_nvme_layers="auto", planner_host_budget=budget),
+        "lazy": _lazy_args(
+            args, args.policy, state_nvme_dir=state_dir, state_nvme_layers="auto", planner_host_budget=budget
+        ),
     }
     res = run_child(spec, os.path.join(work, "headline.log"))
     print(f"device: {res['device']}; batch 1 x {args.seq_len} tokens, gradient_accumulation_steps {args.ga}")
@@ -600,8 +629,25 @@ def headline(args, argv: list[str]) -> int:
         f"step time median {statistics.median(res['step_s']):.2f} s (all steps), "
         f"{statistics.median(later):.2f} s (after the first); train() {res['train_s']:.1f} s"
     )
+    _plan_line(res)
     ok = _bytes_table(res)
     return 0 if ok else 1
+
+
+def _plan_line(res: dict[str, Any]) -> None:
+    plan = res.get("plan")
+    if plan is None:
+        print("plan: not found in output_dir")
+        return
+    L = plan["layers"]
+    units = {-1: "embedding", L: "head"}
+    on_nvme = ", ".join(units.get(k, str(k)) for k in plan["state_nvme"]) or "none"
+    layers_nvme = sum(1 for k in plan["state_nvme"] if 0 <= k < L)
+    print(
+        f"plan ({plan['source']}, hardware {plan['hardware']}): policies {plan['policies']}, "
+        f"{len(plan['resident_layers'])} of {L} decoder layers resident on the device; state on NVMe: "
+        f"{layers_nvme} of {L} decoder layers (units {on_nvme})"
+    )
 
 
 def _bytes_table(res: dict[str, Any]) -> bool:
@@ -660,7 +706,7 @@ def bitexact(args, argv: list[str]) -> int:
     runs: dict[str, dict[str, Any]] = {}
     for name in ("ram", "nvme"):
         root = _fresh_dir(os.path.join(work, f"bitexact_{name}"))
-        lazy = _lazy_args(args)
+        lazy = _lazy_args(args, args.policy or "default")
         if args.host_budget:
             lazy["planner_host_budget"] = args.host_budget
         if name == "nvme":
@@ -683,6 +729,7 @@ def bitexact(args, argv: list[str]) -> int:
             f"peak RSS {gib(r['peak_rss_bytes'])}, device {r['device']}"
         )
     ram, nvme = runs["ram"], runs["nvme"]
+    _plan_line(nvme)
     print(f"{'micro-batch':>11} {'loss (state in RAM)':>24} {'loss (state on NVMe)':>24} {'equal':>6}")
     n = max(len(ram["micro_losses_hex"]), len(nvme["micro_losses_hex"]))
     losses_equal = len(ram["micro_losses_hex"]) == len(nvme["micro_losses_hex"]) > 0
@@ -714,7 +761,7 @@ def main(argv: list[str] | None = None) -> int:
     mode.add_argument("--headline", action="store_true", help="Qwen2.5-3B-shaped run with the state on NVMe.")
     mode.add_argument("--bitexact", action="store_true", help="state in RAM vs on NVMe, bit for bit.")
     mode.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--tiny", action="store_true", help="a ~5M-parameter model of the same family instead.")
+    ap.add_argument("--tiny", action="store_true", help="a ~6M-parameter model of the same family instead.")
     ap.add_argument("--work", help="directory for the checkpoint (reused), the state files and the outputs.")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--steps", type=int, default=None, help="optimizer steps (default: 3 headline, 4 bitexact).")
@@ -722,6 +769,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--lr", type=float, default=1e-4)
     ap.add_argument("--host-budget", default=None, help="planner_host_budget (headline default 6GiB).")
     ap.add_argument("--hardware", default=None, help="planner_hardware (default: the arguments' default).")
+    ap.add_argument(
+        "--policy",
+        default=None,
+        help="planner_policy (default: the arguments' default for --headline; 'default', every layer streamed with "
+        "the same fixed plan in both runs, for --bitexact).",
+    )
+    ap.add_argument("--gpu-budget", default=None, help="planner_gpu_budget (default: the arguments' default).")
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even when CUDA is available.")
     args = ap.parse_args(argv)
     if args.child:
