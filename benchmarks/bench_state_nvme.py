@@ -644,7 +644,7 @@ def _plan_line(res: dict[str, Any]) -> None:
     on_nvme = ", ".join(units.get(k, str(k)) for k in plan["state_nvme"]) or "none"
     layers_nvme = sum(1 for k in plan["state_nvme"] if 0 <= k < L)
     print(
-        f"plan ({plan['source']}, hardware {plan['hardware']}): policies {plan['policies']}, "
+        f"plan ({plan['source']}, hardware {plan['hardware'] or '-'}): policies {plan['policies']}, "
         f"{len(plan['resident_layers'])} of {L} decoder layers resident on the device; state on NVMe: "
         f"{layers_nvme} of {L} decoder layers (units {on_nvme})"
     )
@@ -669,19 +669,23 @@ def _bytes_table(res: dict[str, Any]) -> bool:
     return ok
 
 
+def _weight_keys(d: str) -> dict[str, str]:
+    """Tensor name -> safetensors file of a saved model directory."""
+    from safetensors import safe_open
+
+    out = {}
+    for fn in sorted(os.listdir(d)):
+        if fn.endswith(".safetensors"):
+            with safe_open(os.path.join(d, fn), framework="pt") as f:
+                out.update({k: os.path.join(d, fn) for k in f.keys()})
+    return out
+
+
 def _compare_weights(a_dir: str, b_dir: str) -> list[str]:
     """Names of the tensors that differ (bits, dtype or shape) between two saved models, or are only in one."""
     from safetensors import safe_open
 
-    def keys(d: str) -> dict[str, str]:
-        out = {}
-        for fn in sorted(os.listdir(d)):
-            if fn.endswith(".safetensors"):
-                with safe_open(os.path.join(d, fn), framework="pt") as f:
-                    out.update({k: os.path.join(d, fn) for k in f.keys()})
-        return out
-
-    ka, kb = keys(a_dir), keys(b_dir)
+    ka, kb = _weight_keys(a_dir), _weight_keys(b_dir)
     bad = sorted(set(ka) ^ set(kb))
     for k in sorted(set(ka) & set(kb)):
         with safe_open(ka[k], framework="pt") as fa, safe_open(kb[k], framework="pt") as fb:
@@ -691,6 +695,21 @@ def _compare_weights(a_dir: str, b_dir: str) -> list[str]:
     if not ka:
         bad.append(f"<no weights in {a_dir}>")
     return bad
+
+
+def _trained(initial_dir: str, final_dir: str) -> tuple[int, int, set[str]]:
+    """``(tensors whose values changed from the initial checkpoint, tensors compared, dtypes saved)``: the
+    comparison of two trained models means something only if training moved the weights."""
+    from safetensors import safe_open
+
+    ki, kf = _weight_keys(initial_dir), _weight_keys(final_dir)
+    changed, dtypes = 0, set()
+    for k in sorted(set(ki) & set(kf)):
+        with safe_open(ki[k], framework="pt") as fi, safe_open(kf[k], framework="pt") as ff:
+            x, y = fi.get_tensor(k), ff.get_tensor(k)
+        dtypes.add(str(y.dtype).removeprefix("torch."))
+        changed += not torch.equal(x.float(), y.float())
+    return changed, len(set(ki) & set(kf)), dtypes
 
 
 def bitexact(args, argv: list[str]) -> int:
@@ -725,12 +744,15 @@ def bitexact(args, argv: list[str]) -> int:
         runs[name] = run_child(spec, os.path.join(root, "train.log"))
         r = runs[name]
         print(
-            f"state in {name.upper():<4}: train() {r['train_s']:.1f} s, step median {statistics.median(r['step_s']):.2f} s, "
+            f"state in {'RAM' if name == 'ram' else 'NVMe':<4}: train() {r['train_s']:.1f} s, step median {statistics.median(r['step_s']):.2f} s, "
             f"peak RSS {gib(r['peak_rss_bytes'])}, device {r['device']}"
         )
     ram, nvme = runs["ram"], runs["nvme"]
     _plan_line(nvme)
-    print(f"{'micro-batch':>11} {'loss (state in RAM)':>24} {'loss (state on NVMe)':>24} {'equal':>6}")
+    print(
+        "per micro-batch, the loss training_step returns (divided by gradient_accumulation_steps), float64 of the fp32:"
+    )
+    print(f"{'micro-batch':>11} {'state in RAM':>24} {'state on NVMe':>24} {'equal':>6}")
     n = max(len(ram["micro_losses_hex"]), len(nvme["micro_losses_hex"]))
     losses_equal = len(ram["micro_losses_hex"]) == len(nvme["micro_losses_hex"]) > 0
     for i in range(n):
@@ -743,6 +765,11 @@ def bitexact(args, argv: list[str]) -> int:
     print(f"logged losses: RAM {ram['losses']}, NVMe {nvme['losses']}")
     bad = _compare_weights(
         os.path.join(work, "bitexact_ram", "out", "final"), os.path.join(work, "bitexact_nvme", "out", "final")
+    )
+    changed, compared, dtypes = _trained(ckpt, os.path.join(work, "bitexact_ram", "out", "final"))
+    print(
+        f"training moved {changed} of {compared} tensors from the initial checkpoint (saved as {', '.join(sorted(dtypes))}"
+        ", the fp32 masters)"
     )
     print(f"losses bit-identical: {'yes' if losses_equal else 'NO'}")
     print(
