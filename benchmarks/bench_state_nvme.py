@@ -12,7 +12,8 @@ memory is one block, whatever the model size. Every training run is a fresh subp
 loading the checkpoint with `lazytrain_hf.from_pretrained` (weights stay on disk until the host store reads them
 layer by layer) in float32 and training with ``bf16=True``: fp32 masters on the host with a bf16 compute copy (see
 `LazyTrainer._compute_dtype`); the trained model is then fp32 again, holding the masters, which is what
-``save_model`` writes and ``--bitexact`` compares.
+``save_model`` writes and ``--bitexact`` compares. ``--model-dtype bfloat16`` loads bf16 parameters instead (the
+store still keeps fp32 masters; ``save_model`` then writes the bf16 weights).
 
 ``--headline``: a Qwen2.5-3B-shaped model (bf16 checkpoint, config below, no Hub access) trains ``--steps`` (3)
 optimizer steps with its state on NVMe where it does not fit ``--host-budget`` (6GiB), embeddings and head streamed
@@ -400,7 +401,8 @@ def proc_status(key: str) -> int:
 
 
 def gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+    """Bytes as GiB (MiB under 1 GiB)."""
+    return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
 
 
 # ---------------------------------------------------------------------------------------------------------------------
@@ -419,7 +421,10 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     from lazytrain_hf.trainer import TRACE_FILE
 
     rss_start = proc_status("VmRSS")
-    model = lazytrain_hf.from_pretrained(spec["checkpoint"], dtype=torch.float32, use_cache=False)
+    fp32 = spec["model_dtype"] == "float32"
+    model = lazytrain_hf.from_pretrained(
+        spec["checkpoint"], dtype=torch.float32 if fp32 else torch.bfloat16, use_cache=False
+    )
     rss_loaded = proc_status("VmRSS")
     steps, ga, seq = spec["steps"], spec["ga"], spec["seq_len"]
     g = torch.Generator().manual_seed(spec["seed"])
@@ -431,7 +436,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         gradient_accumulation_steps=ga,
         max_steps=steps,
         learning_rate=spec["lr"],
-        bf16=True,
+        bf16=fp32,  # fp32 parameters: bf16=True computes with a bf16 copy; bf16 parameters compute in bf16 anyway
         seed=spec["seed"],
         data_seed=spec["seed"],
         save_strategy="no",
@@ -610,12 +615,16 @@ def headline(args, argv: list[str]) -> int:
         "seq_len": args.seq_len,
         "seed": 0,
         "lr": args.lr,
+        "model_dtype": args.model_dtype,
         "lazy": _lazy_args(
             args, args.policy, state_nvme_dir=state_dir, state_nvme_layers="auto", planner_host_budget=budget
         ),
     }
     res = run_child(spec, os.path.join(work, "headline.log"))
-    print(f"device: {res['device']}; batch 1 x {args.seq_len} tokens, gradient_accumulation_steps {args.ga}")
+    print(
+        f"device: {res['device']}; batch 1 x {args.seq_len} tokens, gradient_accumulation_steps {args.ga}; "
+        f"{_precision(args)}"
+    )
     print(
         f"peak RSS (VmHWM) {gib(res['peak_rss_bytes'])}; RSS at start {gib(res['rss_start_bytes'])}, after "
         f"from_pretrained {gib(res['rss_loaded_bytes'])}, before train {gib(res['rss_before_train_bytes'])}"
@@ -632,6 +641,12 @@ def headline(args, argv: list[str]) -> int:
     _plan_line(res)
     ok = _bytes_table(res)
     return 0 if ok else 1
+
+
+def _precision(args) -> str:
+    if args.model_dtype == "float32":
+        return "model loaded in float32, bf16=True (bf16 compute copy, fp32 masters)"
+    return "model loaded in bfloat16 (bf16 compute copy, fp32 masters in the store)"
 
 
 def _plan_line(res: dict[str, Any]) -> None:
@@ -719,6 +734,7 @@ def bitexact(args, argv: list[str]) -> int:
     ckpt = os.path.join(work, "qwen3_tiny" if args.tiny else "qwen3-300m")
     _checkpoint(config, ckpt, torch.bfloat16)
     steps = args.steps or 4
+    print(f"{_precision(args)}; learning rate {args.lr}")
     print(
         f"{steps} steps, gradient_accumulation_steps {args.ga}, batch 1 x {args.seq_len}; free disk {gib(shutil.disk_usage(work).free)}"
     )
@@ -738,6 +754,7 @@ def bitexact(args, argv: list[str]) -> int:
             "seq_len": args.seq_len,
             "seed": 0,
             "lr": args.lr,
+            "model_dtype": args.model_dtype,
             "save": True,
             "lazy": lazy,
         }
@@ -768,8 +785,8 @@ def bitexact(args, argv: list[str]) -> int:
     )
     changed, compared, dtypes = _trained(ckpt, os.path.join(work, "bitexact_ram", "out", "final"))
     print(
-        f"training moved {changed} of {compared} tensors from the initial checkpoint (saved as {', '.join(sorted(dtypes))}"
-        ", the fp32 masters)"
+        f"training moved {changed} of {compared} tensors from the initial checkpoint (final weights saved as "
+        f"{', '.join(sorted(dtypes))})"
     )
     print(f"losses bit-identical: {'yes' if losses_equal else 'NO'}")
     print(
@@ -803,6 +820,14 @@ def main(argv: list[str] | None = None) -> int:
         "the same fixed plan in both runs, for --bitexact).",
     )
     ap.add_argument("--gpu-budget", default=None, help="planner_gpu_budget (default: the arguments' default).")
+    ap.add_argument(
+        "--model-dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="dtype from_pretrained loads the model in: float32 with bf16=True (bf16 compute copy, fp32 masters, "
+        "save_model writes the masters) or bfloat16 (bf16 parameters, fp32 masters in the store, save_model writes "
+        "the bf16 weights).",
+    )
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even when CUDA is available.")
     args = ap.parse_args(argv)
     if args.child:
