@@ -37,6 +37,7 @@ from transformers.utils import logging
 
 from . import models
 from .args import PLAN_FILE, LazyTrainingArguments
+from .loading import weights_on_disk
 from .training import checkpoints, planning
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
@@ -342,6 +343,9 @@ class LazyTrainer(Trainer):
             super()._load_optimizer_and_scheduler(checkpoint)
         except Exception as e:
             raise ValueError(checkpoints.checkpoint_error(checkpoint, e)) from e
+        if checkpoint is not None and self.optimizer is not None:
+            # Note: [Checkpoints of the state on NVMe] in training/checkpoints.py
+            checkpoints.restore_nvme_optimizer_state(checkpoint, self.stream_handle, self._updater, self.optimizer)
 
     def _move_model_to_device(self, model, device) -> None:
         if self.args.stream_enabled:
@@ -626,14 +630,23 @@ class LazyTrainer(Trainer):
         if self._updater is not None:
             self._updater.wait_all()  # weights of every layer updated before they are written
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        if self.stream_handle is not None and state_dict is None and checkpoints.streams_weights(self.model):
+        spill = self.stream_handle.nvme_state if self.stream_handle is not None else None
+        on_disk = self.stream_handle is None and weights_on_disk(self.model)  # e.g. units left on NVMe by train()
+        if (
+            (self.stream_handle is not None or on_disk)
+            and state_dict is None
+            and checkpoints.streams_weights(self.model)
+        ):
             # Note: [Checkpoints are streamed from the host store] in training/checkpoints.py: streamed parameters
             # point at their host copy while unbound, so the weights are written from it layer by layer, never
             # gathered on the device nor copied whole; the rest as Trainer._save writes it
             if self.args.should_save:
                 from transformers.trainer import TRAINING_ARGS_NAME
 
-                checkpoints.save_streamed(self.model, output_dir)
+                # units whose state is on NVMe are read from their state files, one at a time
+                checkpoints.save_streamed(
+                    self.model, output_dir, read=spill.read_values if spill is not None else None
+                )
                 tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
                 if tokenizer is not None:
                     tokenizer.save_pretrained(output_dir)
@@ -660,6 +673,8 @@ class LazyTrainer(Trainer):
         if not self.args.should_save:
             return
         masters = checkpoints.unsaved_masters(self.stream_handle, self._updater)
+        # Note: [Checkpoints of the state on NVMe] in training/checkpoints.py
+        checkpoints.write_nvme_optimizer_state(os.path.join(staging_root, os.path.basename(final)), self.stream_handle)
         checkpoints.publish_checkpoint(staging_root, final, masters)
         if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
             self.state.best_model_checkpoint = final

@@ -235,3 +235,80 @@ def test_state_that_does_not_fit_names_state_nvme_dir(tmp_path):
     message points at state_nvme_dir."""
     with pytest.raises(ValueError, match="state_nvme_dir"):
         make_trainer(tmp_path / "o", max_steps=1, planner_policy="default", planner_host_budget=200_000).train()
+
+
+def test_resume_with_state_on_nvme(tmp_path):
+    """Checkpoints of a run with its state on NVMe hold the same weights and masters as one in RAM, and carry the
+    8-bit moments (Note: [Checkpoints of the state on NVMe]): resuming from step 2 continues bit for bit, with the
+    state on NVMe or in RAM, and a checkpoint of a run in RAM resumes with the state on NVMe."""
+    from safetensors.torch import load_file
+
+    kw = dict(planner_policy="default", save_steps=2, **Q8)
+    full_nvme = _run(tmp_path, "a", True, max_steps=4, **kw)
+    full_ram = _run(tmp_path, "e", False, max_steps=4, **kw)
+    assert full_nvme.loss_recorder.losses == full_ram.loss_recorder.losses
+    ck_nvme, ck_ram = tmp_path / "a" / "checkpoint-2", tmp_path / "e" / "checkpoint-2"
+    for fname in ("model.safetensors", "lazytrain_master.safetensors"):
+        if not (ck_ram / fname).exists():
+            continue
+        a, b = load_file(ck_nvme / fname), load_file(ck_ram / fname)
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), fname
+    assert (ck_nvme / "lazytrain_nvme_optimizer.safetensors").exists()
+    want = full_ram.loss_recorder.losses[2:]
+    for tag, nvme, ck in (("b", True, ck_nvme), ("c", False, ck_nvme), ("d", True, ck_ram)):
+        extra = dict(state_nvme_dir=str(tmp_path / "state"), state_nvme_layers="all") if nvme else {}
+        t = make_trainer(tmp_path / tag, max_steps=4, **extra, **kw)
+        t.train(resume_from_checkpoint=str(ck))
+        assert t.loss_recorder.losses == want, tag
+        assert all(torch.equal(x, y) for x, y in zip(_weights(t.model).values(), _weights(full_ram.model).values()))
+
+
+def test_save_model_after_training_reads_units_on_disk(tmp_path):
+    """After train() the units whose state was on NVMe stay on disk (Note: [Units whose state is on NVMe stay on disk
+    after remove()]); save_model writes their trained values, equal to a run in RAM."""
+    from safetensors.torch import load_file
+
+    ram = _run(tmp_path, "ram", False, **Q8, planner_policy="default")
+    disk = _run(tmp_path, "nvme", True, **Q8, planner_policy="default")
+    assert any(p.device.type == "meta" for p in disk.model.parameters())
+    ram.save_model(str(tmp_path / "saved_ram"))
+    disk.save_model(str(tmp_path / "saved_nvme"))
+    a, b = (
+        load_file(tmp_path / "saved_ram" / "model.safetensors"),
+        load_file(tmp_path / "saved_nvme" / "model.safetensors"),
+    )
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_milp_plans_the_state_io():
+    """The MILP with layers' state on NVMe (`CostModel.with_state_nvme`): those layers are never resident, their
+    optimizer steps last their state I/O, the plan records them, and the simulator (which replays the schedule's
+    NVMe transfers) agrees with the MILP's step time within 5%; the state I/O makes the step longer than in RAM."""
+    import warnings
+
+    from lazytrain_hf.planner import costmodel, hardware, milp, schedule, simulate, stages
+
+    cfg = milp._resolve_config("qwen2.5-3b")[0]
+    hw = hardware.get_profile("h100")
+    keys = list(range(20, 36))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ram = milp.plan_for_model(cfg, hw, seq_len=1024, micro_batch_size=8, host_budget="64GiB", time_limit=20)
+        plan = milp.plan_for_model(
+            cfg, hw, seq_len=1024, micro_batch_size=8, host_budget="64GiB", time_limit=20, state_nvme=keys
+        )
+    assert plan.state_nvme == keys
+    assert not any(plan.layers[k].resident for k in keys)
+    cm = costmodel.CostModel.from_config(cfg, hw, 1024, 8, 2)
+    ev, ev_ram = stages.evaluate_plan(plan, cm), stages.evaluate_plan(ram, cm)
+    assert ev.step_time_s > ev_ram.step_time_s
+    sim = simulate.simulate(plan, cm)
+    assert abs(sim.step_time_s - ev.step_time_s) <= 0.05 * ev.step_time_s, (sim.step_time_s, ev.step_time_s)
+    cms = cm.with_state_nvme(keys)
+    sizes = schedule.sizes_from_cost_model(cms)
+    got = schedule.bytes_per_step(plan, sizes)
+    per_layer_fetches = sum(
+        1 for t in schedule.step_transfers(plan, sizes) if t.lane == "nvme_read" and t.layer == keys[0]
+    )
+    assert per_layer_fetches == 3  # forward fetch, backward fetch, the optimizer's state read
+    assert got["nvme_write"] == sum(cms.state_io_bytes(k)[0] + cms.state_io_bytes(k)[2] for k in keys)

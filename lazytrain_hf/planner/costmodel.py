@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -585,7 +586,40 @@ class CostModel:
         if self.measured:
             s = micro_batch_size / self.micro_batch_size
             new = new.with_measured_times([lc.fwd_s * s for lc in self.layers], [lc.bwd_s * s for lc in self.layers])
+        if self.state_nvme:
+            new = new.with_state_nvme(self.state_nvme)
         return new
+
+    # ------------------------------------------------------------------ training state on NVMe
+    # decoder layers whose training state is on NVMe (plan.state_nvme), set by `with_state_nvme`
+    state_nvme: frozenset = frozenset()
+
+    def with_state_nvme(self, keys) -> CostModel:
+        """A copy in which the decoder layers ``keys`` keep their training state on NVMe
+        (`lazytrain_hf.streaming.nvmestate`): each weight fetch also reads the compute copy from NVMe, the gradients
+        are written to NVMe, and the layer's optimizer step streams its state (`state_io_bytes`), so it lasts
+        ``max(o_i, reads / BW_nvme_r + writes / BW_nvme_w)`` (the chunked step overlaps its compute and its I/O).
+        The MILP never keeps such a layer resident."""
+        new = copy.copy(self)
+        new.state_nvme = frozenset(int(k) for k in keys if 0 <= int(k) < len(self.layers))
+        return new
+
+    def state_io_bytes(self, i: int) -> tuple[int, int, int]:
+        """``(gradient bytes per micro-batch, optimizer reads, optimizer writes)`` of layer ``i`` with its state on
+        NVMe: the fp32 gradient (4 B/param) written per micro-batch; per step the master, gradient and 8-bit moments
+        in (10 B/param + block scales) and the master, moments and compute copy out (6 B/param + scales + w_i)."""
+        lc = self.layers[i]
+        p = lc.params
+        scales = 8 * math.ceil(p / 256)
+        return 4 * p, 10 * p + scales, 6 * p + scales + lc.weight_bytes
+
+    def optimizer_s_of(self, i: int) -> float:
+        """Layer ``i``'s optimizer seconds: ``o_i``, or its state I/O where that is longer (state on NVMe)."""
+        lc = self.layers[i]
+        if i not in self.state_nvme:
+            return lc.optimizer_s
+        _, r, w = self.state_io_bytes(i)
+        return max(lc.optimizer_s, r / self.nvme_r + w / self.nvme_w)
 
     # ------------------------------------------------------------------ derived terms
     @property

@@ -115,6 +115,8 @@ def _build(
         prob += pulp.lpSum(v for pair in yF[i].values() for v in pair if v is not None) == 1, f"one_fwd_fetch_{i}"
         if allow_resident:
             prob += pulp.lpSum(r for _, r in yF[i].values()) == res[i], f"resident_upload_{i}"
+            if i in cm.state_nvme:
+                prob += res[i] == 0, f"state_on_nvme_not_resident_{i}"  # its state is not on the host
         prob += pulp.lpSum(yB[i].values()) == 1 - (res[i] if allow_resident else 0), f"bwd_fetch_unless_resident_{i}"
         for o in opt[i]:
             if _offloaded_bytes_needed(o):
@@ -132,17 +134,25 @@ def _build(
     const_h2d = [0.0] * S
     const_d2h = [0.0] * S
     const_mem = [0.0] * (S + 1)
+    const_nvw = [0.0] * S
     for i, lc in enumerate(cm.layers):
         sB = 2 * L - i
         w, A, x = lc.weight_bytes, lc.saved_bytes, lc.input_bytes
         const_comp[i] += lc.fwd_s
         const_comp[sB] += lc.bwd_s
+        # state on NVMe (CostModel.with_state_nvme): every fetch first reads the compute copy from NVMe, the
+        # gradients are written there after B_i (copies issued after a stage occupy the next)
+        on_nvme = i in cm.state_nvme
+        if on_nvme and i > 0:
+            const_nvw[sB + 1] += cm.state_io_bytes(i)[0]
         # forward fetch: slot memory from issue to F_i when streamed; resident weights counted below
         for a, (ys, yr) in yF[i].items():
             sigma = i - a
             for y in (ys, yr):
                 if y is not None:
                     h2d[sigma].append((w, y))
+                    if on_nvme:
+                        nvr[sigma].append((w, y))
                     if a == 0:
                         od[i].append((w, y))
             for s in range(sigma, i + 1):
@@ -155,6 +165,8 @@ def _build(
         for a, y in yB[i].items():
             sb = sB - a
             h2d[sb].append((w, y))
+            if on_nvme:
+                nvr[sb].append((w, y))
             if a == 0:
                 od[sB].append((w, y))
             for s in range(sb, sB + 1):
@@ -224,15 +236,15 @@ def _build(
                 + expr(h2d[s], 1 / Bh, const_h2d[s])
                 + expr(d2h[s], 1 / Bd, const_d2h[s])
                 + expr(nvr[s], 1 / Bnr)
-                + expr(nvw[s], 1 / Bnw)
+                + expr(nvw[s], 1 / Bnw, const_nvw[s])
             )
             prob += T[s] >= lanes_sum, f"serial_lanes_{s}"
             continue
         prob += T[s] >= expr(od[s], 1 / Bh) + expr(comp[s], 1.0, const_comp[s]), f"compute_after_ondemand_{s}"
         prob += T[s] >= expr(h2d[s], 1 / Bh, const_h2d[s]), f"h2d_lane_{s}"
         prob += T[s] >= expr(d2h[s], 1 / Bd, const_d2h[s]), f"d2h_lane_{s}"
-        if nvr[s] or nvw[s]:
-            prob += T[s] >= expr(nvr[s], 1 / Bnr) + expr(nvw[s], 1 / Bnw), f"nvme_lane_{s}"
+        if nvr[s] or nvw[s] or const_nvw[s]:
+            prob += T[s] >= expr(nvr[s], 1 / Bnr) + expr(nvw[s], 1 / Bnw, const_nvw[s]), f"nvme_lane_{s}"
 
     # ------------------------------------------------------------------ [Constraint] tail: optimizer and uploads
     c_emb, c, c_all = _optimizer_finish_times(cm)

@@ -339,6 +339,7 @@ def plan_for_model(
     attn_implementation: str = "sdpa",
     measured_times: tuple[Sequence[float], Sequence[float]] | None = None,
     lookahead: int = DEFAULT_LOOKAHEAD,
+    state_nvme: Sequence[int] = (),
 ) -> Plan:
     """Plan training of ``config`` on ``hardware`` (the entry point the trainer uses).
 
@@ -348,6 +349,8 @@ def plan_for_model(
         auto_batch_size: search the micro-batch size with the highest predicted tokens/s; the largest feasible batch
             is recorded in ``plan.predicted["max_batch_size"]``.
         measured_times: ``(fwd_s, bwd_s)`` per layer measured at ``micro_batch_size`` (timed warm-up steps).
+        state_nvme: the units whose training state is on NVMe (`lazytrain_hf.planner.hostmem.place_state`): their
+            state I/O is in the stage and tail constraints (`CostModel.with_state_nvme`), and the plan keeps them.
     """
     cfg, name = _resolve_config(config)
     hw = get_profile(hardware)
@@ -370,6 +373,8 @@ def plan_for_model(
     )
     if measured_times is not None:
         base = base.with_measured_times(list(measured_times[0]), list(measured_times[1]))
+    if state_nvme:
+        base = base.with_state_nvme(state_nvme)
     if base.host_state_bytes > hw.host_memory_bytes:
         warnings.warn(
             f"{name}: the host model state ({base.host_state_bytes / 2**30:.0f} GiB: fp32 master, grads, 8-bit "
@@ -389,6 +394,7 @@ def plan_for_model(
     if not auto_batch_size:
         plan = solve(base, **kw)
         plan.model = name
+        plan.state_nvme = sorted(int(k) for k in state_nvme)
         return plan
 
     cms: dict[int, CostModel] = {}
@@ -409,4 +415,5 @@ def plan_for_model(
     best.predicted["max_batch_size"] = b_max
     best.predicted["batch_sizes_tried"] = list(candidates)
     best.model = name
+    best.state_nvme = sorted(int(k) for k in state_nvme)
     return best

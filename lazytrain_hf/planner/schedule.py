@@ -202,7 +202,13 @@ def bytes_per_step(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: in
 def sizes_from_cost_model(cm: Any, stream_embeddings: bool = False) -> StepBytes:
     """`StepBytes` from the analytic `CostModel` (weights without the store's alignment padding). With
     ``stream_embeddings`` the embedding and head are streamed units, else parameters that are not streamed."""
-    layers = [UnitBytes(lc.weight_bytes, lc.grad_bytes, lc.saved_bytes, lc.input_bytes) for lc in cm.layers]
+    layers = []
+    for i, lc in enumerate(cm.layers):
+        state = {}
+        if i in getattr(cm, "state_nvme", ()):
+            g, r, w = cm.state_io_bytes(i)
+            state = {"grad_file": g, "state_read": r, "state_write": w}
+        layers.append(UnitBytes(lc.weight_bytes, lc.grad_bytes, lc.saved_bytes, lc.input_bytes, **state))
     embed = UnitBytes(cm.embed_bytes, cm.embed_grad_bytes)
     head = UnitBytes(cm.head_bytes, cm.head_grad_bytes)
     if stream_embeddings:

@@ -113,6 +113,7 @@ def _label(what: str, layer: int | None, L: int) -> str:
         "reload": f"reload {name}",
         "grad": f"grad {name}",
         "upload": f"upload {name}",
+        "state": f"state {name}",
     }[what]
 
 
@@ -121,6 +122,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
     cm = cost_model
     L = cm.num_layers
     plan.validate(L)
+    if set(plan.state_nvme) & set(range(L)) != set(cm.state_nvme):
+        cm = cm.with_state_nvme(plan.state_nvme)
     if steps < 2:
         raise ValueError(f"steps={steps} must be >= 2 (the step time is a period between two steps).")
     serial = bool(getattr(cm, "serial_lanes", False))
@@ -287,7 +290,12 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
         last = tc
         for key in order:
             n = cm.embed_params if key == -1 else cm.head_params if key == L else cm.layers[key].params
+            start = tc
             _, tc = lanes.run(opt_lane, tc, n / rate, f"opt {key}")
+            for tr in per_step:
+                if tr.what == "state" and tr.layer == key:
+                    _, se = move(tr, start)  # the state on NVMe streams in and out while the chunks are updated
+                    tc = max(tc, se)
             opt[key] = tc
             last = tc
             for tr in per_step:

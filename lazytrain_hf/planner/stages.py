@@ -140,8 +140,8 @@ def _optimizer_finish_times(cm: CostModel) -> tuple[float, list[float], float]:
     t_d2h = ((cm.layers[0].grad_bytes if L else 0) + cm.embed_grad_bytes) / cm.d2h
     c_emb = t_d2h + cm.embed_optimizer_s
     c, acc = [], c_emb
-    for lc in cm.layers:
-        acc += lc.optimizer_s
+    for i in range(L):
+        acc += cm.optimizer_s_of(i)  # a layer whose state is on NVMe: its state I/O where that is longer
         c.append(acc)
     return c_emb, c, acc + cm.head_optimizer_s
 
@@ -150,6 +150,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     """Step time, memory per stage and predictions of ``plan`` under the stage model (see module docstring)."""
     L = cm.num_layers
     plan.validate(L)
+    if set(plan.state_nvme) & set(range(L)) != set(cm.state_nvme):
+        cm = cm.with_state_nvme(plan.state_nvme)
     S = 2 * L + 1
     Bh, Bd, Bnr, Bnw = cm.h2d, cm.d2h, cm.nvme_r, cm.nvme_w
     comp = [0.0] * S
@@ -177,6 +179,9 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         # ---- forward weights (a fetch reaching before stage 0 is issued at stage 0, as the executor does)
         sigma = max(0, i - lp.fetch_fwd_ahead)
         h2d[sigma] += lc.weight_bytes
+        on_nvme = i in cm.state_nvme  # its fetches read the compute copy from NVMe first, its gradients go there
+        if on_nvme and not lp.resident:
+            nvr[sigma] += lc.weight_bytes
         if sigma == i:
             od[i] += lc.weight_bytes
         if not lp.resident:
@@ -190,6 +195,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         else:
             sb = max(0, sB - lp.fetch_bwd_ahead)
             h2d[sb] += lc.weight_bytes
+            if on_nvme:
+                nvr[sb] += lc.weight_bytes
             if sb == sB:
                 od[sB] += lc.weight_bytes
             alive(sb, sB, lc.weight_bytes)
@@ -233,6 +240,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         else:
             alive(sB, sB, lc.grad_bytes)
             mem_tail += lc.grad_bytes
+        if on_nvme and i > 0:
+            nvw[sB + 1] += cm.state_io_bytes(i)[0]
     if K > 1:
         for j in range(0, L, K):
             block = list(range(j, min(j + K, L)))

@@ -188,7 +188,7 @@ class NvmeState:
         self._lock = threading.Lock()
         self._source = None  # the DiskSource of parameters left on disk by remove() (`leave_on_disk`)
         self._handed_over = False
-        self._on_disk: dict[str, tuple[int, Any]] = {}
+        self._entries: dict[str, tuple[int, Any]] = {}  # parameter name -> (unit key, its store entry)
         self._zero_m = dynamic_lookup(True).zero_code
         self._zero_v = dynamic_lookup(False).zero_code
         self._write_manifest()
@@ -285,6 +285,8 @@ class NvmeState:
             [(e.byte_offset, e.numel, e.dtype) for e in ents],
         )
         self.units[key] = u
+        for e in ls.entries:
+            self._entries[e.name] = (key, e)
         try:
             os.ftruncate(fd, off)
             win = aligned_empty(lay.compute_bytes)
@@ -652,20 +654,26 @@ class NvmeState:
             torch.utils.swap_tensors(p, torch.nn.Parameter(meta, requires_grad=p.requires_grad))
             setattr(p, DISK_ATTR, (self._source, e.name))
             p.grad = None
-            self._on_disk[e.name] = (key, e)
 
     def _read_for_disk(self, names: list[str]) -> dict[str, torch.Tensor]:
+        return self.read_values(names, restored=True)
+
+    def read_values(self, names: list[str], restored: bool = False) -> dict[str, torch.Tensor]:
+        """Fresh RAM copies of the parameters among ``names`` that belong to units on NVMe (the others are left
+        out): their compute copy, as the parameters read while the executor is attached; with ``restored`` their
+        value after `StreamHandle.remove` (the fp32 master of a bf16 compute copy of an fp32 parameter)."""
         out: dict[str, torch.Tensor] = {}
         windows: dict[int, torch.Tensor] = {}
         for name in names:
-            key, e = self._on_disk[name]
-            want = e.orig_dtype or e.dtype
-            if e.trainable and e.orig_dtype is not None:
-                out[name] = self.read_param(key, name, "master").view(e.shape).to(want)
+            if name not in self._entries:
+                continue
+            key, e = self._entries[name]
+            if restored and e.trainable and e.orig_dtype is not None:
+                out[name] = self.read_param(key, name, "master").view(e.shape).to(e.orig_dtype)
                 continue
             if key not in windows:
                 windows[key] = self._compute_window(key, "save")
-            out[name] = e.view_bytes(windows[key]).to(want, copy=True)
+            out[name] = e.view_bytes(windows[key]).to((e.orig_dtype or e.dtype) if restored else e.dtype, copy=True)
         return out
 
     def release(self) -> None:

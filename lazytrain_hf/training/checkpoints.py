@@ -133,7 +133,17 @@ def separate_masters(handle, updater, store: bool = True, resident: bool = True)
     """
     out: dict[str, torch.Tensor] = {}
     if store and handle is not None:
-        for ls in handle.store.layers.values():
+        spill = getattr(handle, "nvme_state", None)
+        for key, ls in handle.store.layers.items():
+            if spill is not None and key in spill.units:
+                if not ls.aliased:  # their masters are in the state files: read one by one when written
+                    for e in ls.trainable_entries:
+                        out[e.name] = LazyTensor(
+                            torch.float32,
+                            tuple(e.shape),
+                            lambda k=key, n=e.name, s=e.shape: spill.read_param(k, n, "master").view(s),
+                        )
+                continue
             if ls.master is not None and not ls.aliased:
                 out.update(ls.master_views)
     if resident and updater is not None:
@@ -147,7 +157,7 @@ def unsaved_masters(handle, updater) -> dict[str, torch.Tensor]:
     the next optimizer step runs after it."""
     if updater is not None:
         updater.wait_all()
-    return {n: t.detach() for n, t in separate_masters(handle, updater).items()}
+    return {n: t if isinstance(t, LazyTensor) else t.detach() for n, t in separate_masters(handle, updater).items()}
 
 
 def restore_masters(checkpoint: str | None, handle, updater, where: str) -> None:
@@ -160,14 +170,132 @@ def restore_masters(checkpoint: str | None, handle, updater, where: str) -> None
 
     saved = load_file(path)
     targets = separate_masters(handle, updater, store=where == "store", resident=where == "resident")
+    spill = getattr(handle, "nvme_state", None) if handle is not None else None
+    units = {e.name: k for k, ls in handle.store.layers.items() for e in ls.entries} if spill is not None else {}
     with torch.no_grad():
         for name, dst in targets.items():
-            if name not in saved or saved[name].shape != dst.shape:
+            if name not in saved or tuple(saved[name].shape) != tuple(dst.shape):
                 raise ValueError(
                     f"checkpoint file {path} has no fp32 master of shape {tuple(dst.shape)} for {name!r}; it was "
                     "written for another model. Resume from a checkpoint of this model."
                 )
-            dst.copy_(saved[name])
+            if isinstance(dst, LazyTensor):
+                spill.write_param(units[name], name, "master", saved[name])  # into the committed state file
+            else:
+                dst.copy_(saved[name])
+
+
+# ---------------------------------------------------------------------- optimizer state of units on NVMe
+# Note: [Checkpoints of the state on NVMe]
+#     The optimizer state of units whose state is on NVMe is not in `HybridAdamW8bit.state` (their masters there are
+#     placeholders), so Trainer's ``optimizer.pt`` lacks it. `write_nvme_optimizer_state` writes it next to it, one
+#     tensor at a time from the committed state files, as `NVME_STATE_FILE` (per parameter ``<name>.exp_avg_codes``,
+#     ``.exp_avg_absmax``, ``.exp_avg_sq_codes``, ``.exp_avg_sq_absmax``, or ``.exp_avg`` / ``.exp_avg_sq`` below
+#     ``min_8bit_size``; the step counts in the metadata). `restore_nvme_optimizer_state` puts it back: into the
+#     state files when the resumed run keeps those units on NVMe, else into the optimizer's state; and the state a
+#     checkpoint of a run in RAM holds for units now on NVMe goes into their files. Test:
+#     ``tests/test_state_nvme.py::test_resume_with_state_on_nvme``.
+NVME_STATE_FILE = "lazytrain_nvme_optimizer.safetensors"
+_NVME_ARRAYS = {
+    "m_codes": "exp_avg_codes",
+    "m_abs": "exp_avg_absmax",
+    "v_codes": "exp_avg_sq_codes",
+    "v_abs": "exp_avg_sq_absmax",
+}
+
+
+def write_nvme_optimizer_state(directory: str, handle) -> None:
+    """Write the committed optimizer state of the units on NVMe into ``directory`` (Note: [Checkpoints of the state
+    on NVMe]); nothing without such units."""
+    spill = getattr(handle, "nvme_state", None) if handle is not None else None
+    if spill is None or not spill.units:
+        return
+    tensors: list[tuple[str, object]] = []
+    steps: dict[str, int] = {}
+    for key, u in sorted(spill.units.items()):
+        for p in u.params:
+            steps[p.name] = p.step
+            if p.q8:
+                for what, suffix in _NVME_ARRAYS.items():
+                    n = p.numel if what.endswith("codes") else p.nblk
+                    dt = torch.uint8 if what.endswith("codes") else torch.float32
+                    tensors.append(
+                        (
+                            f"{p.name}.{suffix}",
+                            LazyTensor(dt, (n,), lambda k=key, nm=p.name, w=what: spill.read_param(k, nm, w)),
+                        )
+                    )
+            else:
+                for what in ("exp_avg", "exp_avg_sq"):
+                    tensors.append((f"{p.name}.{what}", spill.read_param(key, p.name, what)))
+    meta = {"format": "pt", "steps": json.dumps(steps), "block_size": str(spill.block_size)}
+    write_safetensors(os.path.join(directory, NVME_STATE_FILE), tensors, meta)
+
+
+def restore_nvme_optimizer_state(checkpoint: str | None, handle, updater, optimizer) -> None:
+    """Note: [Checkpoints of the state on NVMe]: the checkpoint's optimizer state of units on NVMe, wherever the
+    resumed run keeps it."""
+    if checkpoint is None or handle is None or updater is None:
+        return
+    from safetensors import safe_open
+
+    from ..optim.quant import Quantized8bit
+
+    spill = getattr(handle, "nvme_state", None)
+    path = os.path.join(checkpoint, NVME_STATE_FILE)
+    masters = {}
+    for i, entries in updater.layers.items():
+        for name, m, _ in entries:
+            masters[name] = (i, m)
+    if spill is not None:
+        # a checkpoint of a run in RAM: the optimizer.pt state of units now on NVMe goes into their files
+        for name, (i, m) in masters.items():
+            if i in spill.units and optimizer.state.get(m):
+                st = optimizer.state.pop(m)
+                for what, key in (("m", "exp_avg"), ("v", "exp_avg_sq")):
+                    q = st[key]
+                    if isinstance(q, Quantized8bit):
+                        spill.write_param(i, name, f"{what}_codes", q.codes)
+                        spill.write_param(i, name, f"{what}_abs", q.absmax)
+                    else:
+                        spill.write_param(i, name, key, q)
+                spill.set_steps(i, {name: int(st["step"])})
+    if not os.path.exists(path):
+        return
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata() or {}
+        steps = json.loads(meta.get("steps", "{}"))
+        block = int(meta.get("block_size", 256))
+        keys = set(f.keys())
+        for name, step in steps.items():
+            if name not in masters:
+                raise ValueError(
+                    f"checkpoint file {path} holds optimizer state for {name!r}, which this model does not train "
+                    "as a streamed parameter; resume from a checkpoint of this model and setup."
+                )
+            i, m = masters[name]
+            q8 = f"{name}.exp_avg_codes" in keys
+            if spill is not None and i in spill.units:
+                if q8:
+                    for what, suffix in _NVME_ARRAYS.items():
+                        spill.write_param(i, name, what, f.get_tensor(f"{name}.{suffix}"))
+                else:
+                    for what in ("exp_avg", "exp_avg_sq"):
+                        spill.write_param(i, name, what, f.get_tensor(f"{name}.{what}"))
+                spill.set_steps(i, {name: int(step)})
+                continue
+            st = optimizer.state[m]
+            st["step"] = int(step)
+            if q8:
+                st["exp_avg"] = Quantized8bit(
+                    f.get_tensor(f"{name}.exp_avg_codes"), f.get_tensor(f"{name}.exp_avg_absmax"), block, True
+                )
+                st["exp_avg_sq"] = Quantized8bit(
+                    f.get_tensor(f"{name}.exp_avg_sq_codes"), f.get_tensor(f"{name}.exp_avg_sq_absmax"), block, False
+                )
+            else:
+                st["exp_avg"] = f.get_tensor(f"{name}.exp_avg").view(m.shape)
+                st["exp_avg_sq"] = f.get_tensor(f"{name}.exp_avg_sq").view(m.shape)
 
 
 # ---------------------------------------------------------------------- streamed safetensors
@@ -256,24 +384,32 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path}: {len(missing)} declared tensor(s) never written: {missing[:5]}.")
 
 
+class LazyTensor:
+    """A tensor read only when it is written (`write_safetensors`): ``dtype``, ``shape`` and ``read()``."""
+
+    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], read):
+        self.dtype, self.shape, self.read = dtype, tuple(shape), read
+
+
 def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict | None = None) -> None:
-    """``safetensors.torch.save_file`` without building the file in memory: each tensor written from its storage."""
+    """``safetensors.torch.save_file`` without building the file in memory: each tensor written from its storage
+    (a `LazyTensor` read right before it is written)."""
     w = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors], metadata or {"format": "pt"})
     try:
         for n, t in tensors:
-            w.write(n, t)
+            w.write(n, t.read() if isinstance(t, LazyTensor) else t)
     finally:
         w._f.close()
     w.close()
 
 
-def save_streamed(model, output_dir: str, max_shard_size: int | str = "50GB") -> None:
+def save_streamed(model, output_dir: str, max_shard_size: int | str = "50GB", read=None) -> None:
     """`save_pretrained` of a streamed ``model`` with its weights written by `write_model_weights` (Note:
     [Checkpoints are streamed from the host store]): `save_pretrained` writes everything but the weights (config,
     generation config, custom code) from an empty state dict, then the weights replace its empty weights file."""
     os.makedirs(output_dir, exist_ok=True)
     model.save_pretrained(output_dir, state_dict={}, is_main_process=True, max_shard_size=max_shard_size)
-    write_model_weights(model, output_dir, max_shard_size=max_shard_size)
+    write_model_weights(model, output_dir, max_shard_size=max_shard_size, read=read)
 
 
 def streams_weights(model) -> bool:
@@ -316,14 +452,38 @@ def _converted_group(model, sd: dict[str, torch.Tensor], names: list[str]) -> li
     return list(out.items())
 
 
-def write_model_weights(model, output_dir: str, max_shard_size: int | str = "50GB") -> list[str]:
+def _group_values(
+    sd: dict[str, torch.Tensor], names: list[str], params: dict[str, torch.Tensor], read=None
+) -> dict[str, torch.Tensor]:
+    """``sd`` with the group's values that are not in RAM read now (one layer at a time): parameters left on disk
+    (a `DiskSource`), and what ``read(names)`` returns (the units whose state is on NVMe during training)."""
+    from ..streaming.store import disk_source
+
+    out = dict(sd)
+    got = read(names) if read is not None else {}
+    out.update(got)
+    by_source: dict[int, tuple] = {}
+    for n in names:
+        ds = disk_source(params[n]) if n in params and n not in got else None
+        if ds is not None:
+            by_source.setdefault(id(ds[0]), (ds[0], []))[1].append((n, ds[1]))
+    for source, pairs in by_source.values():
+        vals = source.read([key for _, key in pairs])
+        for n, key in pairs:
+            out[n] = vals[key]
+    return out
+
+
+def write_model_weights(model, output_dir: str, max_shard_size: int | str = "50GB", read=None) -> list[str]:
     """Write ``model``'s weights as `save_pretrained` would (names, format, sharding, index) into ``output_dir``,
     one decoder layer at a time from wherever each parameter lives (Note: [Checkpoints are streamed from the host
-    store]). Returns the files written."""
+    store]): RAM, a `DiskSource`, or ``read(names)`` (values the caller supplies, e.g. `NvmeState.read_values`).
+    Returns the files written."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
     limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     sd = model.state_dict()
+    params = dict(model.named_parameters(remove_duplicate=False))
     groups = _weight_groups(model)
     # pass 1: names, dtypes and shapes of what each group writes (the conversion on meta tensors)
     planned: list[list[tuple[str, torch.dtype, tuple[int, ...]]]] = []
@@ -352,7 +512,8 @@ def write_model_weights(model, output_dir: str, max_shard_size: int | str = "50G
         w = SafetensorsWriter(os.path.join(output_dir, fname), specs, {"format": "pt"})
         try:
             for gi in members:
-                for key, t in _converted_group(model, sd, groups[gi]):  # one layer materialised at a time
+                vals = _group_values(sd, groups[gi], params, read)
+                for key, t in _converted_group(model, vals, groups[gi]):  # one layer materialised at a time
                     w.write(key, t)
                     weight_map[key] = fname
                     total += t.numel() * t.element_size()
