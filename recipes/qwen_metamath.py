@@ -48,6 +48,7 @@ from transformers import (  # noqa: E402
 from transformers.utils import logging  # noqa: E402
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments  # noqa: E402
+from lazytrain_hf import from_pretrained as lazy_from_pretrained  # noqa: E402
 from lazytrain_hf.data import (  # noqa: E402
     EMBEDDED,
     CausalLMCollator,
@@ -167,7 +168,9 @@ def _load_tokenizer(args: ScriptArguments):
     return tokenizer
 
 
-def _load_model(args: ScriptArguments, tokenizer, seed: int):
+def _load_model(args: ScriptArguments, tokenizer, seed: int, weights_on_disk: bool = False):
+    """The model to train. ``weights_on_disk`` (``--state_nvme_dir``: a model whose state may not fit in RAM): its
+    decoder layers are left on disk (`lazytrain_hf.from_pretrained`) and read layer by layer into the host store."""
     if args.model_name_or_path == EMBEDDED:
         config = AutoConfig.for_model(
             "qwen3",
@@ -180,6 +183,8 @@ def _load_model(args: ScriptArguments, tokenizer, seed: int):
         torch.manual_seed(seed)
         return AutoModelForCausalLM.from_config(config)
     dtype = args.dtype if args.dtype == "auto" else getattr(torch, args.dtype)
+    if weights_on_disk:
+        return lazy_from_pretrained(args.model_name_or_path, dtype=dtype, trust_remote_code=args.trust_remote_code)
     try:
         return AutoModelForCausalLM.from_pretrained(
             args.model_name_or_path, dtype=dtype, trust_remote_code=args.trust_remote_code
@@ -217,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             len(ids) for ids in tokenizer(list(eval_rows["response"]), add_special_tokens=False)["input_ids"]
         )
         max_new_tokens = longest + 16
-    model = _load_model(script_args, tokenizer, training_args.seed)
+    on_disk = bool(training_args.stream_enabled and training_args.state_nvme_dir)
+    model = _load_model(script_args, tokenizer, training_args.seed, weights_on_disk=on_disk)
 
     trainer = LazyTrainer(
         model=model,

@@ -185,6 +185,15 @@ def test_end_to_end_short_run_streaming(recipe, tmp_path, capsys):
     _check_run(recipe, tmp_path, capsys)  # the recipe's defaults: streaming on, Hybrid 8-bit optimizer
 
 
+def test_end_to_end_short_run_state_on_nvme(recipe, tmp_path, capsys):
+    """`--state_nvme_dir` (every unit's training state on NVMe): trains, evaluates the units left on disk, saves
+    a model that reloads and reproduces its predictions."""
+    (tmp_path / "state").mkdir()
+    _check_run(recipe, tmp_path, capsys, "--state_nvme_dir", str(tmp_path / "state"), "--state_nvme_layers", "all")
+    plan = json.loads((tmp_path / "run" / "lazytrain_plan.json").read_text())
+    assert plan["state_nvme"] and plan["predicted"]["bytes_per_step"]["nvme_write"] > 0
+
+
 def test_hub_names_offline_say_how_to_pass_a_local_path(recipe, tmp_path):
     from lazytrain_hf.data import HubUnavailableError
 

@@ -184,22 +184,40 @@ def test_disk_full_during_write_back(tmp_path, monkeypatch):
         captured["armed"] = True
         return real_update(self, *a, **k)
 
+    real_release = ns.NvmeState.release
+
+    def release(self):  # what the state directory holds when the executor goes, right before it is removed
+        with open(os.path.join(self.path, ns.MANIFEST)) as f:
+            captured["final_step"] = json.load(f)["step"]
+        captured["final"] = ns.read_committed(self.path)
+        real_release(self)
+
     monkeypatch.setattr(ns.NvmeState, "commit", commit)
     monkeypatch.setattr(ns.NvmeState, "update_unit", update_unit)
+    monkeypatch.setattr(ns.NvmeState, "release", release)
+    os.makedirs(tmp_path / "state", exist_ok=True)
+    trainer = make_trainer(
+        tmp_path / "full", max_steps=3, planner_policy="default", state_nvme_dir=str(tmp_path / "state"),
+        state_nvme_layers="all", **Q8,
+    )  # fmt: skip
     with pytest.raises(RuntimeError) as e:
-        _run(tmp_path, "full", True, max_steps=3, planner_policy="default")
+        trainer.train()
     err = e.value
     while err.__cause__ is not None and not isinstance(err, ns.StateNvmeError):
         err = err.__cause__
     assert isinstance(err, ns.StateNvmeError), repr(e.value)
     assert "state_nvme_dir=" in str(err) and "free space" in str(err)
-    with open(os.path.join(captured["path"], ns.MANIFEST)) as f:
-        assert json.load(f)["step"] == 1
-    got = ns.read_committed(captured["path"])
+    assert captured["final_step"] == 1
     for key, per in captured["committed"].items():
         for name, arrays in per.items():
             for what, t in arrays.items():
-                assert torch.equal(got[key][name][what], t), (key, name, what)
+                assert torch.equal(captured["final"][key][name][what], t), (key, name, what)
+    # the model got the committed step's weights back: those of one step in RAM, bit for bit
+    monkeypatch.setattr(io, "_pwrite", real)
+    one = _run(tmp_path, "one", False, max_steps=1, planner_policy="default", **Q8)
+    a, b = _weights(one.model), _weights(trainer.model)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not glob.glob(str(tmp_path / "state" / "lazytrain-state_*"))  # the state directory is gone
 
 
 def test_state_nvme_dir_errors(tmp_path, monkeypatch):
@@ -263,20 +281,37 @@ def test_resume_with_state_on_nvme(tmp_path):
         assert all(torch.equal(x, y) for x, y in zip(_weights(t.model).values(), _weights(full_ram.model).values()))
 
 
-def test_save_model_after_training_reads_units_on_disk(tmp_path):
-    """After train() the units whose state was on NVMe stay on disk (Note: [Units whose state is on NVMe stay on disk
-    after remove()]); save_model writes their trained values, equal to a run in RAM."""
+def test_units_from_disk_stay_on_disk(tmp_path):
+    """A model loaded with its weights on disk (`lazytrain_hf.from_pretrained`) keeps the units whose state was on
+    NVMe on disk after train() (Note: [Units on NVMe after remove()]): their parameters read their trained values
+    from the state files, save_model writes them, equal to the same run with the state in RAM; a model that was in
+    RAM gets its values back in RAM (the bit-exact test compares them)."""
+    from conftest import tiny_model
     from safetensors.torch import load_file
+    from trainer_fixtures import LossRecorder, token_dataset
 
-    ram = _run(tmp_path, "ram", False, **Q8, planner_policy="default")
-    disk = _run(tmp_path, "nvme", True, **Q8, planner_policy="default")
-    assert any(p.device.type == "meta" for p in disk.model.parameters())
-    ram.save_model(str(tmp_path / "saved_ram"))
-    disk.save_model(str(tmp_path / "saved_nvme"))
-    a, b = (
-        load_file(tmp_path / "saved_ram" / "model.safetensors"),
-        load_file(tmp_path / "saved_nvme" / "model.safetensors"),
-    )
+    import lazytrain_hf
+    from lazytrain_hf import LazyTrainer, LazyTrainingArguments
+
+    tiny_model("qwen3", seed=1).save_pretrained(tmp_path / "ckpt")
+    (tmp_path / "state").mkdir()
+    saved = {}
+    for tag, extra in (("ram", {}), ("nvme", dict(state_nvme_dir=str(tmp_path / "state"), state_nvme_layers="all"))):
+        model = lazytrain_hf.from_pretrained(str(tmp_path / "ckpt"), attn_implementation="eager")
+        args = LazyTrainingArguments(
+            output_dir=str(tmp_path / tag), per_device_train_batch_size=4, max_steps=3, learning_rate=1e-3,
+            logging_steps=1, report_to=[], seed=3, use_cpu=True, planner_policy="default", save_strategy="no",
+            **Q8, **extra,
+        )  # fmt: skip
+        rec = LossRecorder()
+        t = LazyTrainer(model=model, args=args, train_dataset=token_dataset(), callbacks=[rec])
+        t.train()
+        on_disk = [n for n, p in model.named_parameters() if p.device.type == "meta"]
+        assert bool(on_disk) == (tag == "nvme"), (tag, on_disk[:3])
+        t.save_model(str(tmp_path / f"saved_{tag}"))
+        saved[tag] = (rec.losses, load_file(tmp_path / f"saved_{tag}" / "model.safetensors"))
+    (la, a), (lb, b) = saved["ram"], saved["nvme"]
+    assert la == lb
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 

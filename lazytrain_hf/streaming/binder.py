@@ -297,7 +297,7 @@ class ParameterBinder:
                 if st.store is None:
                     continue
                 if spill is not None and st.index in spill.units:
-                    # Note: [Units whose state is on NVMe stay on disk after remove()] in streaming/nvmestate.py
+                    # Note: [Units on NVMe after remove()] in streaming/nvmestate.py
                     spill.leave_on_disk(st.index, st.store)
                     st.slot = None
                     st.bound = False

@@ -633,22 +633,32 @@ class NvmeState:
 
     # ------------------------------------------------------------------ after training
     def leave_on_disk(self, key: int, ls) -> None:
-        """Note: [Units whose state is on NVMe stay on disk after remove()]
-        `StreamHandle.remove()` gives every parameter its trained value; for a unit whose state is on NVMe that
-        value stays in the state file: the parameter becomes a meta tensor with a `DiskSource` reading its
-        committed value (the fp32 master where the compute copy was a bf16 copy of an fp32 parameter, else the
-        compute copy), as `lazytrain_hf.from_pretrained` leaves weights on disk. Saving the model
-        (`LazyTrainer.save_model`, `checkpoints.save_streamed`) and the next `attach` read it layer by layer;
-        the state directory goes when the last such parameter does (or at interpreter exit). Materialising
-        the whole model here would need the host memory the run was planned not to use.
+        """Note: [Units on NVMe after remove()]
+        `StreamHandle.remove()` gives every parameter its trained value. A parameter of such a unit that was in RAM
+        before `attach` gets it in RAM again, read from the committed state (the fp32 master where the compute copy
+        was a bf16 copy of an fp32 parameter, else the compute copy), as without the state on NVMe. One that was
+        left on disk before (`lazytrain_hf.from_pretrained`: a model the run was planned not to hold in RAM) stays
+        on disk: a meta tensor with a `DiskSource` reading its trained value from the state file. Saving the model
+        (`LazyTrainer.save_model`, `checkpoints.save_streamed`), the next `attach` and `LazyTrainer.streaming()`
+        read it layer by layer; the state directory goes when the last such parameter does (or at interpreter
+        exit). Tests: ``tests/test_state_nvme.py::test_state_on_nvme_bit_exact`` (in RAM again) and
+        ``::test_units_from_disk_stay_on_disk``.
         """
         from .store import DISK_ATTR, DiskSource
 
-        if self._source is None:
+        in_ram = [e for e in ls.entries if not e.from_disk]
+        if in_ram:
+            vals = self.read_values([e.name for e in in_ram], restored=True)
+            with torch.no_grad():
+                for e in in_ram:
+                    e.param.data = vals[e.name].to(e.orig_device)
+                    e.param.grad = None
+        on_disk = [e for e in ls.entries if e.from_disk]
+        if on_disk and self._source is None:
             self._source = DiskSource(self._read_for_disk, f"state_nvme_dir {self.path}")
             weakref.finalize(self._source, _remove_dir, [u.fd for u in self.units.values()], self.path)
             self._handed_over = True
-        for e in ls.entries:
+        for e in on_disk:
             p = e.param
             meta = torch.empty(e.shape, dtype=e.orig_dtype or e.dtype, device="meta")
             torch.utils.swap_tensors(p, torch.nn.Parameter(meta, requires_grad=p.requires_grad))

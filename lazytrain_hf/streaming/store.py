@@ -218,6 +218,7 @@ class ParamEntry:
     elem_offset: int  # offset (elements) in the fp32 master / grad buffers; -1 for frozen parameters
     orig_device: torch.device
     orig_dtype: torch.dtype | None = None  # the parameter's dtype before attach when the compute copy differs
+    from_disk: bool = False  # the parameter was left on disk (a `DiskSource`) before attach
 
     @property
     def numel(self) -> int:
@@ -382,6 +383,7 @@ class HostStore:
                     e_off,
                     torch.device("cpu") if on_disk else p.device,
                     p.dtype if dt != p.dtype else None,
+                    on_disk,
                 )
             )
         pins: list = []
