@@ -29,7 +29,7 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
 - ``state_windows``: for units whose state is on NVMe (``state_nvme``, `lazytrain_hf.streaming.nvmestate`), which
   hold none of the terms above but the fp32 moments of their tensors under ``min_8bit_size``: the host windows
   their I/O goes through: `STATE_FETCH_WINDOWS` compute-copy windows of weight fetches, `STATE_GRAD_WINDOWS`
-  gradient windows, the optimizer's unit-sized compute window and its three chunk windows (Note: [The out-of-core
+  gradient windows, the optimizer's unit-sized compute window and its five chunk windows (Note: [The out-of-core
   optimizer step is chunked]), each of the largest such unit.
 
 Not counted: the model's own tensors before the store replaces them (each streamed parameter's storage is released
@@ -53,7 +53,7 @@ GRAD_STAGING_LAYERS = 2
 # flight, Note: [Two stages of copies in flight] in streaming/engine.py), optimizer chunk windows
 STATE_FETCH_WINDOWS = 2
 STATE_GRAD_WINDOWS = 2
-STATE_CHUNK_WINDOWS = 3
+STATE_CHUNK_WINDOWS = 5
 # The 8-bit state layout of HybridAdamW8bit's defaults (block 256, fp32 moments below 4096 elements, as bitsandbytes)
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MIN_8BIT_SIZE = 4096

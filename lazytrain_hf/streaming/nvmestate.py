@@ -17,9 +17,10 @@ training state in host RAM between uses. `NvmeState` owns one file per such unit
 Note: [The out-of-core optimizer step is chunked]
     `update_unit` runs a unit's AdamW step in chunks of `CHUNK_ELEMS` elements of one parameter (a multiple of
     every block size, so a chunk holds whole quantisation blocks and the kernel computes exactly what one pass over
-    the whole tensor computes; every array offset stays `IO_ALIGN`-aligned). A reader thread loads chunk ``k + 1``
-    (master, gradient, codes, scales) while chunk ``k`` is updated and a writer thread writes chunk ``k - 1``
-    back: three chunk windows, whatever the layer's size. The compute copy is written into one unit-sized window
+    the whole tensor computes; every array offset stays `IO_ALIGN`-aligned). A reader thread loads chunks ``k + 1``
+    and ``k + 2`` (master, gradient, codes, scales) while chunk ``k`` is updated and a writer thread writes chunks
+    ``k - 1`` and ``k - 2`` back: five chunk windows, whatever the layer's size (`hostmem.STATE_CHUNK_WINDOWS`;
+    two writes in flight keep the disk busy while a chunk is computed: `benchmarks/bench_state_io.py`). The compute copy is written into one unit-sized window
     (read first when the unit has frozen parameters) and written to the file when the unit is done. With
     ``optimizer_overlap`` this runs on the updater's background thread while the next forward runs, the forward
     of unit ``i`` waiting only for unit ``i``'s update (Note: [Update before fetch] in training/updater.py).
@@ -490,7 +491,7 @@ class NvmeState:
                     adamw32_step(master, grad, p.small[0].narrow(0, a, n), p.small[1].narrow(0, a, n), scalars, out)
                 if out is None:  # the compute copy from the master, as `LayerStore.sync` does
                     cwin.narrow(0, boff + cdt.itemsize * a, cdt.itemsize * n).view(cdt).copy_(master)
-                while len(writes) >= 1:
+                while len(writes) >= 2:
                     writes.popleft().result()
                 writes.append(self._writer.submit(store, task, w))
             while writes:
