@@ -50,6 +50,18 @@ def test_layers_stay_on_disk_and_the_store_reads_them_bit_exact(saved):
     assert not bad, bad[:5]
 
 
+def test_tied_embeddings_stay_tied(tmp_path):
+    """A checkpoint of a model with a tied lm_head (Qwen2.5-3B: tie_word_embeddings=True) holds no lm_head.weight;
+    from_pretrained ties it to the embedding again, as transformers does (regression: it looked for the lm_head's
+    own weights and refused the checkpoint)."""
+    model = tiny_model("qwen2", seed=2, tie_word_embeddings=True)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    model.save_pretrained(tmp_path / "m")
+    lm = lazytrain_hf.from_pretrained(str(tmp_path / "m"))
+    assert lm.lm_head.weight is lm.model.embed_tokens.weight
+    assert torch.equal(lm.model.embed_tokens.weight, model.model.embed_tokens.weight)
+
+
 def test_moe_experts_are_converted_when_read(tmp_path):
     model = tiny_model("qwen3_moe", seed=2)
     model.save_pretrained(tmp_path)
