@@ -271,7 +271,9 @@ def from_pretrained(
         model = AutoModelForCausalLM.from_config(config, **kw)
     # accelerate's init_empty_weights re-registers every parameter as a new meta tensor, which unties a tied lm_head
     # from the embedding: tie them again, as transformers' from_pretrained does after loading
-    if getattr(config, "tie_word_embeddings", False) or getattr(config.get_text_config(), "tie_word_embeddings", False):
+    if getattr(config, "tie_word_embeddings", False) or getattr(
+        config.get_text_config(), "tie_word_embeddings", False
+    ):
         model.tie_weights()
     models.get_spec(model)  # ValueError naming the supported model types
     model.eval()  # as transformers' from_pretrained returns it

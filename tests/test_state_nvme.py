@@ -84,7 +84,7 @@ def test_place_state_fits_the_budget(tmp_path):
     from lazytrain_hf.training import planning
 
     os.makedirs(tmp_path / "s", exist_ok=True)
-    model = tiny_model("qwen3")
+    model = tiny_model("qwen3", hidden_size=128, intermediate_size=512)  # a state larger than the I/O windows
     base = dict(output_dir=str(tmp_path / "o"), use_cpu=True, report_to=[], **Q8)
     kinds = ["full_attention"] * model.config.num_hidden_layers
     L = len(kinds)

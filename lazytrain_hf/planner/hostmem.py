@@ -28,9 +28,9 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
   streamed from the host store], training/checkpoints.py): at most one unit's tensors materialised at once;
 - ``state_windows``: for units whose state is on NVMe (``state_nvme``, `lazytrain_hf.streaming.nvmestate`), which
   hold none of the terms above but the fp32 moments of their tensors under ``min_8bit_size``: the host windows
-  their I/O goes through: `STATE_FETCH_WINDOWS` compute-copy windows of weight fetches, `STATE_GRAD_WINDOWS`
-  gradient windows, the optimizer's unit-sized compute window and its five chunk windows (Note: [The out-of-core
-  optimizer step is chunked]), each of the largest such unit.
+  their I/O goes through: `STATE_FETCH_WINDOWS` compute-copy windows of weight fetches and `STATE_GRAD_WINDOWS`
+  gradient windows (each of a different unit: the largest ones), the optimizer's compute window (the largest unit)
+  and its `STATE_CHUNK_WINDOWS` chunk windows (Note: [The out-of-core optimizer step is chunked]).
 
 Not counted: the model's own tensors before the store replaces them (each streamed parameter's storage is released
 as its layer is stored), Python and library overhead, the activations of one layer's forward on a CPU device.
@@ -181,7 +181,9 @@ def host_footprint(
     """
     from ..streaming.nvmestate import CHUNK_ELEMS, IO_ALIGN, state_file_bytes
 
-    win_compute, win_grad, chunk = 0, 0, 0
+    win_compute: list[int] = []  # per unit on NVMe: its compute-copy window, its gradient window
+    win_grad: list[int] = []
+    chunk = 0
     fp = HostFootprint(activations=int(pinned_activation_bytes))
     cpu = device_type == "cpu"
     max_unit, max_grad_compute, transient = 0, 0, 0
@@ -196,8 +198,8 @@ def host_footprint(
             fp.optimizer -= optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
             fp.optimizer += 8 * sum(small)  # fp32 moments of small tensors stay in RAM
             fp.nvme_state += state_file_bytes(u.tensors, lay.compute_bytes, lay.train_elems, block_size, min_8bit_size)
-            win_compute = max(win_compute, lay.compute_bytes + 2 * IO_ALIGN)
-            win_grad = max(win_grad, 4 * lay.train_elems + 2 * IO_ALIGN)
+            win_compute.append(lay.compute_bytes + 2 * IO_ALIGN)
+            win_grad.append(4 * lay.train_elems + 2 * IO_ALIGN)
             big = max([n for n in trainable if n not in small] or [0])
             c = min(CHUNK_ELEMS, max(big, max(small or [0])))
             chunk = max(chunk, c * 10 + 8 * -(-c // block_size) + 8 * IO_ALIGN)
@@ -249,7 +251,12 @@ def host_footprint(
     fp.checkpoint = max_unit
     if state_nvme:
         fp.state_windows = (
-            (STATE_FETCH_WINDOWS + 1) * win_compute + STATE_GRAD_WINDOWS * win_grad + STATE_CHUNK_WINDOWS * chunk
+            # windows of different units: the largest ones (two fetches, two gradients in flight), plus the
+            # optimizer's compute window of the largest unit
+            sum(sorted(win_compute, reverse=True)[:STATE_FETCH_WINDOWS])
+            + max(win_compute)
+            + sum(sorted(win_grad, reverse=True)[:STATE_GRAD_WINDOWS])
+            + STATE_CHUNK_WINDOWS * chunk
         )
     return fp
 
