@@ -28,9 +28,9 @@ micro-batch losses (float bits) and every tensor of the saved final weights must
 says otherwise, so that the two runs differ only in where the state lives; the script prints which units the plan put
 on NVMe and which layers it keeps resident on the device (a resident layer's state stays in RAM).
 
-``--tiny`` swaps either model for a ~6M-parameter one of the same family (with ``--headline``, small device and host
-budgets, `TINY_GPU_BUDGET` and `TINY_HOST_BUDGET`, so that layers are streamed and part of the state goes to NVMe),
-to check the whole path in under a minute.
+``--tiny`` swaps either model for a ~6M-parameter one of the same family, to check the whole path in under a minute;
+with ``--headline`` it also sets ``planner_gpu_budget`` to `TINY_GPU_BUDGET` (every layer streamed) and
+``state_nvme_layers="all"`` with the default host budget (see `TINY_GPU_BUDGET`).
 """
 
 from __future__ import annotations
@@ -113,11 +113,11 @@ _TINY = dict(
 )
 TINY_QWEN2 = {**QWEN25_3B, **_TINY, "max_window_layers": 6}
 TINY_QWEN3 = {**QWEN3_300M, **_TINY}
-# --tiny --headline budgets, so that the small model is streamed as the large one would be: a device budget near the
-# smallest feasible (12.9 MiB on the CPU device at 1 x 256 tokens), where the MILP streams every decoder layer, and a
-# host budget under the state (~70 MiB) plus the run's buffers, so that "auto" puts part of the state on NVMe.
+# --tiny --headline: a device budget near the smallest feasible (12.9 MiB on the CPU device at 1 x 256 tokens), so
+# that the MILP streams every decoder layer as it would the large model's; and state_nvme_layers="all" (default host
+# budget), because the small model's whole state (~66 MiB) is about the size of the fixed host windows that units on
+# NVMe need (~63 MiB), so no host budget puts only part of it on NVMe.
 TINY_GPU_BUDGET = "16MiB"
-TINY_HOST_BUDGET = "60MiB"
 
 # Elements generated and written at once: the writer's working memory is one block (fp32 draw + its cast).
 BLOCK_ELEMS = 1 << 19
@@ -596,13 +596,15 @@ def headline(args, argv: list[str]) -> int:
     ckpt = os.path.join(work, "qwen2_tiny" if args.tiny else "qwen2.5-3b")
     _checkpoint(config, ckpt, torch.bfloat16)
     st = state_bytes(config)
-    budget = args.host_budget or (TINY_HOST_BUDGET if args.tiny else "6GiB")
+    layers = args.state_nvme_layers or ("all" if args.tiny else "auto")
+    budget = args.host_budget or (None if args.tiny else "6GiB")
     if args.tiny and args.gpu_budget is None:
         args.gpu_budget = TINY_GPU_BUDGET
     print(
         f"state: {gib(st['total'])} for {st['params'] / 1e6:.1f}M parameters (fp32 master {gib(st['master'])} + "
         f"bf16 compute {gib(st['compute'])} + fp32 grad {gib(st['grad'])} + 8-bit moments with absmax "
-        f"{gib(st['optimizer'])}); planner_host_budget={budget}"
+        f"{gib(st['optimizer'])}); state_nvme_layers={layers!r}, planner_host_budget={budget or 'default'}, "
+        f"planner_gpu_budget={args.gpu_budget or 'default'}"
     )
     print(f"free disk in {work}: {gib(shutil.disk_usage(work).free)}")
     state_dir = _fresh_dir(os.path.join(work, "state"))
@@ -617,7 +619,11 @@ def headline(args, argv: list[str]) -> int:
         "lr": args.lr,
         "model_dtype": args.model_dtype,
         "lazy": _lazy_args(
-            args, args.policy, state_nvme_dir=state_dir, state_nvme_layers="auto", planner_host_budget=budget
+            args,
+            args.policy,
+            state_nvme_dir=state_dir,
+            state_nvme_layers=layers,
+            **({"planner_host_budget": budget} if budget else {}),
         ),
     }
     res = run_child(spec, os.path.join(work, "headline.log"))
@@ -820,6 +826,12 @@ def main(argv: list[str] | None = None) -> int:
         "the same fixed plan in both runs, for --bitexact).",
     )
     ap.add_argument("--gpu-budget", default=None, help="planner_gpu_budget (default: the arguments' default).")
+    ap.add_argument(
+        "--state-nvme-layers",
+        choices=["auto", "all"],
+        default=None,
+        help="--headline's state_nvme_layers (default: auto; all with --tiny).",
+    )
     ap.add_argument(
         "--model-dtype",
         choices=["float32", "bfloat16"],
