@@ -469,7 +469,9 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
     class Recording(LazyTrainer):
         """Keeps every micro-batch's training loss as returned (the logged ones are averaged and rounded)."""
 
-        micro_losses: list[float] = []
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.micro_losses: list[float] = []
 
         def training_step(self, *a, **kw):
             loss = super().training_step(*a, **kw)
