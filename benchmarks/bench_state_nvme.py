@@ -400,6 +400,18 @@ def proc_status(key: str) -> int:
     raise KeyError(key)
 
 
+def disk_bytes(path: str) -> int:
+    """Bytes allocated on disk by the files under ``path`` (``st_blocks``, so sparse files count what they use)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for fn in files:
+            try:
+                total += os.stat(os.path.join(root, fn)).st_blocks * 512
+            except FileNotFoundError:  # removed while walking
+                pass
+    return total
+
+
 def gib(n: float) -> str:
     """Bytes as GiB (MiB under 1 GiB)."""
     return f"{n / 2**30:.2f} GiB" if n >= 2**30 else f"{n / 2**20:.1f} MiB"
@@ -455,12 +467,15 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
             self.begin: float | None = None
             self.ends: list[float] = []
             self.logged: list[float] = []
+            self.state_files = 0  # largest bytes allocated under state_nvme_dir at a step end
 
         def on_train_begin(self, args, state, control, **kw):
             self.begin = time.perf_counter()
 
         def on_step_end(self, args, state, control, **kw):
             self.ends.append(time.perf_counter())
+            if args.state_nvme_dir:
+                self.state_files = max(self.state_files, disk_bytes(args.state_nvme_dir))
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "loss" in logs:
@@ -497,6 +512,7 @@ def child(spec: dict[str, Any]) -> dict[str, Any]:
         "step_s": [b - a for a, b in zip(marks, marks[1:])],
         "losses": clock.logged,
         "micro_losses_hex": [x.hex() for x in trainer.micro_losses],
+        "state_files_bytes": clock.state_files,
         "device": str(args.device),
     }
     trace_path = os.path.join(spec["output_dir"], TRACE_FILE)
@@ -647,6 +663,10 @@ def headline(args, argv: list[str]) -> int:
         f"{statistics.median(later):.2f} s (after the first); train() {res['train_s']:.1f} s"
     )
     _plan_line(res)
+    print(
+        f"state files on disk (largest at a step end): {gib(res['state_files_bytes'])} "
+        f"({res['state_files_bytes'] / st['total']:.2f}x the whole state above)"
+    )
     ok = _bytes_table(res)
     return 0 if ok else 1
 
@@ -774,6 +794,7 @@ def bitexact(args, argv: list[str]) -> int:
         )
     ram, nvme = runs["ram"], runs["nvme"]
     _plan_line(nvme)
+    print(f"state files on disk (largest at a step end): {gib(nvme['state_files_bytes'])}")
     print(
         "per micro-batch, the loss training_step returns (divided by gradient_accumulation_steps), float64 of the fp32:"
     )
