@@ -29,8 +29,9 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
 - ``state_windows``: for units whose state is on NVMe (``state_nvme``, `lazytrain_hf.streaming.nvmestate`), which
   hold none of the terms above but the fp32 moments of their tensors under ``min_8bit_size``: the host windows
   their I/O goes through: `STATE_FETCH_WINDOWS` compute-copy windows of weight fetches and `STATE_GRAD_WINDOWS`
-  gradient windows (each of a different unit: the largest ones), the optimizer's compute window (the largest unit)
-  and its `STATE_CHUNK_WINDOWS` chunk windows (Note: [The out-of-core optimizer step is chunked]).
+  gradient windows (each of a different unit: the largest ones) or, in the optimizer step, which never overlaps a
+  backward, its compute window (the largest unit) and its `STATE_CHUNK_WINDOWS` chunk windows (Note: [The out-of-core
+  optimizer step is chunked]).
 
 Not counted: the model's own tensors before the store replaces them (each streamed parameter's storage is released
 as its layer is stored), Python and library overhead, the activations of one layer's forward on a CPU device.
@@ -251,12 +252,14 @@ def host_footprint(
     fp.checkpoint = max_unit
     if state_nvme:
         fp.state_windows = (
-            # windows of different units: the largest ones (two fetches, two gradients in flight), plus the
-            # optimizer's compute window of the largest unit
+            # windows of different units, the largest ones: fetches in flight all step; in backward the gradients
+            # in flight, while the next forward runs the optimizer's (its compute window and chunks): the backward
+            # only starts once every unit is updated (Note: [Update before fetch] in training/updater.py)
             sum(sorted(win_compute, reverse=True)[:STATE_FETCH_WINDOWS])
-            + max(win_compute)
-            + sum(sorted(win_grad, reverse=True)[:STATE_GRAD_WINDOWS])
-            + STATE_CHUNK_WINDOWS * chunk
+            + max(
+                sum(sorted(win_grad, reverse=True)[:STATE_GRAD_WINDOWS]),
+                max(win_compute) + STATE_CHUNK_WINDOWS * chunk,
+            )
         )
     return fp
 
