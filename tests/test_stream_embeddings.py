@@ -173,3 +173,22 @@ def test_lazytrainer_stream_embeddings(tmp_path):
     assert runs[False][0] == runs[True][0]
     for k, v in runs[False][1].items():
         assert torch.equal(v, runs[True][1][k]), k
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+def test_bf16_compute_copy_of_an_fp32_model_streams_its_embeddings(tmp_path, model_type):
+    """``bf16=True`` on an fp32 model with ``stream_embeddings``: the embedding and head units get a bf16 compute copy
+    like the decoder layers (regression: they kept an fp32 copy, and the first layer refused fp32 hidden states), and
+    training is bit-exact with the embeddings resident in bf16."""
+    runs = {}
+    for streamed in (False, True):
+        t = make_trainer(
+            tmp_path / str(streamed), max_steps=3, planner_policy="default", bf16=True, stream_embeddings=streamed,
+            model_type=model_type,
+        )  # fmt: skip
+        t.train()
+        runs[streamed] = (t.loss_recorder.losses, {n: p.detach().clone() for n, p in t.model.named_parameters()})
+    (la, wa), (lb, wb) = runs[False], runs[True]
+    assert la == lb
+    assert all(p.dtype == torch.float32 for p in wb.values())  # the fp32 masters came back
+    assert all(torch.equal(wa[n], wb[n]) for n in wa)

@@ -72,7 +72,13 @@ class HeadUnits:
                         f"plan.stream_embeddings=True: parameter {self._names.get(id(p))} is shared with a decoder "
                         "layer; set stream_embeddings=False for this model."
                     )
-            ls = self.store.add_layer(key, kind, [(self._names[id(p)], p) for p in params]) if params else None
+            ls = (
+                self.store.add_layer(
+                    key, kind, [(self._names[id(p)], p) for p in params], compute_dtype=self.compute_dtype
+                )
+                if params
+                else None
+            )
             st = _LayerState(key, module, kind, ls, False, {id(p): p for p in params if p.requires_grad})
             st.transient = True
             self._all[key] = self._units[key] = st
