@@ -98,6 +98,16 @@ def _poison(t: torch.Tensor) -> None:
     t.set_(src.untyped_storage(), 0, t.shape, (0,) * t.dim())
 
 
+def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
+    """A new tensor of ``t``'s shape and dtype over one NaN (`_poison`), that is no view of anything: replacing a view
+    by it lets the buffer the view was made from go (a view keeps its base alive whatever its storage becomes)."""
+    out = torch.empty(0, dtype=t.dtype)
+    out.set_(torch.empty(0, dtype=t.dtype).untyped_storage(), 0, (0,), (1,))
+    out.set_(torch.full((1,), float("nan") if t.dtype.is_floating_point else 0, dtype=t.dtype).untyped_storage(),
+             0, t.shape, (0,) * t.dim())  # fmt: skip
+    return out
+
+
 def _rebind(t: torch.Tensor, window: torch.Tensor, byte_offset: int, shape: torch.Size) -> None:
     """Point ``t`` at ``shape`` contiguous elements of its dtype at ``byte_offset`` of the uint8 ``window``."""
     it = t.dtype.itemsize
@@ -315,20 +325,19 @@ class NvmeState:
         except BaseException:
             self.close()
             raise
-        # the unit's RAM goes: every tensor of the store pointing at its buffers is pointed at poison
-        for t in self._store_tensors(ls):
-            _poison(t)
+        # the unit's RAM goes: every tensor of the store over its buffers is replaced by poison (new tensors, not
+        # views: a view keeps its base alive), and the parameters, which `add_layer` pointed at their compute or
+        # master view, at their poisoned compute view, so the buffers go now, not once the whole store is built
+        for name in ("compute_bytes", "compute", "master", "grad"):
+            if getattr(ls, name) is not None:
+                setattr(ls, name, _poisoned_like(getattr(ls, name)))
+        for views in (ls.compute_views, ls.master_views, ls.grad_views):
+            for k in list(views):
+                views[k] = _poisoned_like(views[k])
+        with torch.no_grad():
+            for e in ls.entries:
+                e.param.data = ls.compute_views[e.name]
         self._write_manifest()
-
-    @staticmethod
-    def _store_tensors(ls) -> list[torch.Tensor]:
-        out = [ls.compute_bytes]
-        for t in (ls.compute, ls.master, ls.grad):
-            if t is not None:
-                out.append(t)
-        for d in (ls.compute_views, ls.master_views, ls.grad_views):
-            out.extend(d.values())
-        return out
 
     # ------------------------------------------------------------------ weight fetches
     def read_compute(self, key: int, what: str = "fetch") -> torch.Tensor:
