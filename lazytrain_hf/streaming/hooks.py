@@ -172,6 +172,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 min_8bit_size=int(state_nvme.get("min_8bit_size", 4096)),
             )
             wanted = set(plan.state_nvme)
+            self.store.no_grad_buffer = set(wanted)  # their gradients live in their state files
             self.store.on_add = lambda key, ls: self.nvme_state.add_unit(key, ls) if key in wanted else None
         if hasattr(activation_engine, "set_trace"):
             activation_engine.set_trace(self.trace)

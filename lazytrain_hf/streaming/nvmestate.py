@@ -68,6 +68,7 @@ from ..activations.tiers import aligned, round_up
 from ..optim.kernels import AdamWScalars, adamw8bit_step, adamw32_step
 from ..optim.quant import Quantized8bit, dynamic_lookup, num_blocks
 from ..units import format_bytes
+from .store import poisoned
 
 IO_ALIGN = _io.IO_ALIGN
 # Elements per optimizer chunk: a multiple of 4096 (byte offsets of 1-byte codes stay aligned) and of every block
@@ -75,6 +76,7 @@ IO_ALIGN = _io.IO_ALIGN
 # out (`NvmeState.add_unit`), which fixes it for that unit.
 CHUNK_ELEMS = 1 << 22
 MANIFEST = "manifest.json"
+BUILD_WINDOW = 64 << 20  # bytes of the window a unit's state is written through when it is moved to its file
 _DIR_PREFIX = "lazytrain-state_"
 _DIR_RE = re.compile(r"^lazytrain-state_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
 
@@ -99,13 +101,8 @@ def _poison(t: torch.Tensor) -> None:
 
 
 def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
-    """A new tensor of ``t``'s shape and dtype over one NaN (`_poison`), that is no view of anything: replacing a view
-    by it lets the buffer the view was made from go (a view keeps its base alive whatever its storage becomes)."""
-    out = torch.empty(0, dtype=t.dtype)
-    out.set_(torch.empty(0, dtype=t.dtype).untyped_storage(), 0, (0,), (1,))
-    out.set_(torch.full((1,), float("nan") if t.dtype.is_floating_point else 0, dtype=t.dtype).untyped_storage(),
-             0, t.shape, (0,) * t.dim())  # fmt: skip
-    return out
+    """`store.poisoned` of ``t``'s shape and dtype: replacing a view by it lets the view's base buffer go."""
+    return poisoned(t.shape, t.dtype)
 
 
 def _rebind(t: torch.Tensor, window: torch.Tensor, byte_offset: int, shape: torch.Size) -> None:
@@ -300,28 +297,31 @@ class NvmeState:
             self._entries[e.name] = (key, e)
         try:
             os.ftruncate(fd, off)
-            win = aligned_empty(lay.compute_bytes)
-            win[: lay.compute_bytes].copy_(ls.compute_bytes)
-            self._pwrite(u, win, lay.compute_bytes, 0)
-            del win
+            # written through one bounded window (`BUILD_WINDOW` bytes), so moving a unit to its file needs no
+            # second copy of it in RAM
+            need = max([lay.compute_bytes, 1] + [4 * p.numel for p in params])
+            win = aligned_empty(min(BUILD_WINDOW, round_up(need, IO_ALIGN)))
+
+            def put(src_u8: torch.Tensor | None, nbytes: int, offset: int, fill: int = 0) -> None:
+                for a in range(0, nbytes, win.numel()):
+                    n = min(win.numel(), nbytes - a)
+                    if src_u8 is None:
+                        win[:n].fill_(fill)
+                    else:
+                        win[:n].copy_(src_u8[a : a + n])
+                    self._pwrite(u, win, n, offset + a)
+
+            put(ls.compute_bytes, lay.compute_bytes, 0)
             for p, e in zip(params, ents):
-                src = ls.master_views[e.name].reshape(-1)
-                w = aligned_empty(4 * p.numel)
-                w[: 4 * p.numel].view(torch.float32).copy_(src)
-                self._pwrite(u, w, 4 * p.numel, p.master[0])
+                put(ls.master_views[e.name].reshape(-1).view(torch.uint8), 4 * p.numel, p.master[0])
                 if p.q8:
                     s = len(p.chunks()) * p.abs_slot
-                    w = aligned_empty(max(p.numel, s))
-                    w[: p.numel].fill_(self._zero_m)
-                    self._pwrite(u, w, p.numel, p.m_codes[0])
-                    w[: p.numel].fill_(self._zero_v)
-                    self._pwrite(u, w, p.numel, p.v_codes[0])
-                    w[:s].zero_()
-                    self._pwrite(u, w, s, p.m_abs[0])
-                    self._pwrite(u, w, s, p.v_abs[0])
+                    put(None, p.numel, p.m_codes[0], self._zero_m)
+                    put(None, p.numel, p.v_codes[0], self._zero_v)
+                    put(None, s, p.m_abs[0])
+                    put(None, s, p.v_abs[0])
                 else:
                     p.small = (torch.zeros(p.numel), torch.zeros(p.numel))
-                del w
         except BaseException:
             self.close()
             raise

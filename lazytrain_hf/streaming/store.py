@@ -170,6 +170,16 @@ class PinnedArena:
         return self.block.narrow(0, start, nbytes).view(dtype).zero_()
 
 
+def poisoned(shape, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of ``shape`` and ``dtype`` with no memory of its own: every element is one NaN (0 for integer dtypes),
+    zero strides; no view of anything (a view would keep its base's buffer alive). Stands for data that is not in
+    RAM (`lazytrain_hf.streaming.nvmestate`), so a read that should not happen sees garbage, not stale values."""
+    out = torch.empty(0, dtype=dtype)
+    one = torch.full((1,), float("nan") if dtype.is_floating_point else 0, dtype=dtype)
+    out.set_(one.untyped_storage(), 0, tuple(shape), (0,) * len(tuple(shape)))
+    return out
+
+
 class DiskSource:
     """Where the weights of parameters left on disk are read from (`lazytrain_hf.from_pretrained`).
 
@@ -322,6 +332,8 @@ class HostStore:
         # called as on_add(index, layer_store) once a layer is built (the state on NVMe takes it over right away, so
         # building the store never holds more than one such layer in RAM: lazytrain_hf.streaming.nvmestate)
         self.on_add: Callable[[int, LayerStore], None] | None = None
+        # layers whose gradient accumulator lives elsewhere (their state file): no grad buffer is allocated for them
+        self.no_grad_buffer: set[int] = set()
 
     def reserve(self, nbytes: int) -> PinnedArena:
         """Allocate the pinned arena the layers added next carve their compute copy and gradient accumulators from
@@ -398,7 +410,12 @@ class HostStore:
             compute = compute_bytes.view(next(iter(single))) if len(single) == 1 else None
             # the masters are read and written by the host optimizer only: pageable
             master = torch.zeros(n_train, dtype=torch.float32) if n_train else None
-        grad = self._pinned(n_train, torch.float32, pins) if n_train else None
+        grad = None
+        if n_train:
+            if index in self.no_grad_buffer:
+                grad = poisoned((n_train,), torch.float32)  # a placeholder (Note: in streaming/nvmestate.py)
+            else:
+                grad = self._pinned(n_train, torch.float32, pins)
         ls = LayerStore(
             index=index,
             kind=kind,
@@ -446,7 +463,11 @@ class HostStore:
                     if not aliased:
                         mv.copy_(src)
                     ls.master_views[e.name] = mv
-                    ls.grad_views[e.name] = grad.narrow(0, e.elem_offset, e.numel).view(e.shape)
+                    ls.grad_views[e.name] = (
+                        poisoned(e.shape, torch.float32)
+                        if index in self.no_grad_buffer
+                        else grad.narrow(0, e.elem_offset, e.numel).view(e.shape)
+                    )
                 # the parameter's own storage is released now (same values); a meta parameter becomes a host one
                 target = cv if e.orig_dtype is None else ls.master_views.get(e.name)
                 if ds is not None:
