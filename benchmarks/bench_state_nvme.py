@@ -604,6 +604,8 @@ def _lazy_args(args, policy: str | None, **kw) -> dict[str, Any]:
         out["planner_gpu_budget"] = args.gpu_budget
     if args.cpu:
         out["use_cpu"] = True  # also implied on a machine without CUDA
+    if args.overlap:
+        out["optim_overlap_forward"] = True  # the optimizer step (and its state I/O) overlaps the next forward
     return out
 
 
@@ -864,6 +866,9 @@ def main(argv: list[str] | None = None) -> int:
         "the bf16 weights).",
     )
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even when CUDA is available.")
+    ap.add_argument(
+        "--overlap", action="store_true", help="optim_overlap_forward=True (default on the CPU: off, as LazyTrainer's)."
+    )
     args = ap.parse_args(argv)
     if args.child:
         print(RESULT_PREFIX + json.dumps(child(json.loads(args.child))), flush=True)
