@@ -139,10 +139,16 @@ class LazyTrainer(Trainer):
             self.check_plan_fits(plan, where=self.args.planner_plan)
         if plan is None:
             plan = self._plan_on_rank_zero()
-        # which streamed units keep their training state on NVMe (state_nvme_dir): decided for this machine's budget
-        planning.place_state(
-            plan, self.model, self.args, hybrid_8bit=self.args.optim_hybrid_8bit, compute_dtype=self._compute_dtype()
-        )
+        # which streamed units keep their training state on NVMe (state_nvme_dir): decided for this machine's budget,
+        # unless a plan file says (planner_plan is executed as is)
+        if not self._plan_from_file:
+            planning.place_state(
+                plan,
+                self.model,
+                self.args,
+                hybrid_8bit=self.args.optim_hybrid_8bit,
+                compute_dtype=self._compute_dtype(),
+            )
         # Note: [The trace is the planner's referee]: what the trace must show, in the plan written to output_dir
         planning.predict_bytes(plan, self.model, self.args, self._compute_dtype(), batch=self._sample_batch())
         if self.args.should_save:

@@ -2,7 +2,8 @@
 simulated asynchronous CPU engine, are bit-exact to the keep-all, no-overlap run on the synchronous engine.
 
 The input space (hypothesis): per layer policy and input tier (nvme included), residency, ``fetch_fwd_ahead`` /
-``fetch_bwd_ahead`` / ``reload_ahead`` in 0..3; ``stream_embeddings``, ``checkpoint_every`` (1, or K with every
+``fetch_bwd_ahead`` / ``reload_ahead`` in 0..3; ``stream_embeddings``, ``state_nvme`` (any streamed, non-resident
+units' training state on NVMe), ``checkpoint_every`` (1, or K with every
 layer recomputed), ``loss_chunk_tokens``, ``optimizer_overlap``, ``gradient_accumulation_steps`` 1..3, the compute
 dtype, over six model families. The oracle: the ``keep_all`` plan (every activation kept, every layer streamed,
 prefetch 1, no overlap) with the same settings that change a summation order (``stream_embeddings``,
@@ -65,6 +66,7 @@ def train_plan(model_type: str, plan: Plan, ga: int, dtype: torch.dtype, simulat
                 save_strategy="no",
                 planner_plan=write_plan(plan, tmp),
                 activation_nvme_dir=os.path.join(tmp, "nvme"),
+                state_nvme_dir=os.path.join(tmp, "nvme"),  # for the plan's state_nvme units
                 **extra,
             )
             n = STEPS * ga * plan.micro_batch_size
@@ -85,7 +87,7 @@ def train_plan(model_type: str, plan: Plan, ga: int, dtype: torch.dtype, simulat
             class MasterCapture(TrainerCallback):
                 def on_train_end(self, args, state, control, **kwargs):
                     trainer._updater.wait_all()
-                    masters.update({k: m.detach().clone() for k, m in trainer._updater.named_masters()})
+                    masters.update({k: m.detach().clone() for k, m in trainer._updater.master_values().items()})
 
             trainer.add_callback(MasterCapture())
             trainer.train()
@@ -155,11 +157,16 @@ def plans(draw, kinds: list[str]) -> Plan:
             )
         )
     assert len(layers) == L
+    stream_embeddings = draw(st.booleans())
+    # units whose training state lives on NVMe (lazytrain_hf.streaming.nvmestate): any streamed, non-resident ones
+    units = [lp.index for lp in layers if not lp.resident] + ([-1, L] if stream_embeddings else [])
+    state_nvme = sorted(draw(st.lists(st.sampled_from(units), unique=True))) if units else []
     return Plan(
         layers=layers,
         micro_batch_size=MICRO_BATCH,
         seq_len=10,
-        stream_embeddings=draw(st.booleans()),
+        stream_embeddings=stream_embeddings,
+        state_nvme=state_nvme,
         loss_chunk_tokens=draw(st.sampled_from([7, 1024])),
         source="file",
         checkpoint_every=block,

@@ -303,6 +303,11 @@ def check_plan_fits(
             f"{src}: layers {nvme} keep activations on the nvme tier but activation_nvme_dir is not set; pass "
             "activation_nvme_dir=/path/on/fast/disk or use a plan without the nvme tier."
         )
+    if plan.state_nvme and not getattr(args, "state_nvme_dir", None):
+        raise ValueError(
+            f"{src}: field `state_nvme` keeps the training state of units {plan.state_nvme} on NVMe but "
+            "state_nvme_dir is not set; pass state_nvme_dir=/path/on/fast/disk or use a plan with state_nvme=[]."
+        )
 
 
 # Host RAM left to the rest of the system when planner_host_budget is not set: 5% of the machine, at least 1 GiB.

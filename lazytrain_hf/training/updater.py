@@ -128,6 +128,17 @@ class LayerwiseUpdater:
             out.extend((name, master) for name, master, _ in entries)
         return out
 
+    def master_values(self) -> dict[str, torch.Tensor]:
+        """The fp32 masters by name, as values: `named_masters` for those in RAM, copies read from the committed state
+        for units whose state is on NVMe (their masters in `named_masters` are placeholders)."""
+        out = {}
+        for name, master in self.named_masters():
+            out[name] = master
+        for i in self._spilled:
+            for name, master, _ in self.layers.get(i, []):
+                out[name] = self.nvme_state.read_param(i, name, "master").view(master.shape)
+        return out
+
     def bind(self, optimizer: torch.optim.Optimizer) -> None:
         self.optimizer = optimizer
         self._where = {
