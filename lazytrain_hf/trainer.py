@@ -130,6 +130,7 @@ class LazyTrainer(Trainer):
             self._preloaded_checkpoint = checkpoint
             plan = read_plan(checkpoint)
             if plan is not None:
+                plan.state_nvme = []  # placed again below, for this run's budget and state_nvme_dir
                 self.lazy_plan = plan
                 if self.args.planner_auto_batch_size:
                     self._adopt_batch_size(plan)  # the batch size the plan chose when training started

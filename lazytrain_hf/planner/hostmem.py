@@ -22,8 +22,9 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
 - ``resident``: host bytes of the parameters that are not streamed: their fp32 gradient copies the optimizer takes
   at each step on CUDA (``4 * n``);
 - ``device_on_host``: on a CPU device, device memory is host memory: the resident parameters and their gradients,
-  the slot pools and dedicated slots, one streamed embedding / head transient slot, and one layer's device gradients
-  on their way to the accumulators;
+  the slot pools and dedicated slots, one streamed embedding / head transient slot, one layer's device gradients
+  on their way to the accumulators, and for a tied trainable embedding the two gradients autograd sums (the lm_head's
+  and the lookup's; the sum is the gradient counted before);
 - ``checkpoint``: the transient of a save, written layer by layer from the host store (Note: [Checkpoints are
   streamed from the host store], training/checkpoints.py): at most one unit's tensors materialised at once;
 - ``state_windows``: for units whose state is on NVMe (``state_nvme``, `lazytrain_hf.streaming.nvmestate`), which
@@ -139,6 +140,10 @@ class Unit:
     plan_resident: bool = False  # a streamed layer the plan keeps on the device (dedicated slot)
     kind: str = ""
     key: int | None = None  # the host-store key (decoder layer index, -1 embedding, num_layers head)
+    # elements of a trainable embedding weight the lm_head shares (tied), held by this unit: autograd sums its two
+    # gradients (the lm_head's, waiting, and the lookup's) into a third tensor before they reach the executor
+    tied_numel: int = 0
+    tied_dtype: torch.dtype = torch.float32
 
 
 def optimizer_state_bytes(
@@ -245,6 +250,10 @@ def host_footprint(
     if cpu and pool_slots:
         fp.device_on_host += sum(slot_bytes.get(k, 0) * c for k, c in pool_slots.items())
     if cpu:
+        for u in units:
+            if u.tied_numel:  # the tied embedding's two summed gradients, in the compute dtype
+                cdt = lay_dtypes([(u.tied_numel, u.tied_dtype, True)], compute_dtype)[0][1]
+                fp.device_on_host += 2 * u.tied_numel * cdt.itemsize
         fp.device_on_host += transient  # one streamed embedding / head unit bound at a time
         fp.device_on_host += max_grad_compute  # one layer's device gradients until they reach the accumulators
     if gradient_accumulation_steps > 1:
@@ -299,17 +308,35 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
                     key,
                 )
             )
+    embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)
+    e = list(embed.parameters())
+    ids = {id(p) for p in e}
+    tied = [p for p in head.parameters() if id(p) in ids and p.requires_grad]
+    tied_numel = tied[0].numel() if tied else 0
+    tied_dtype = tied[0].dtype if tied else torch.float32
     if plan is not None and plan.stream_embeddings:
-        embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)
-        e = list(embed.parameters())
-        ids = {id(p) for p in e}
         h = list(norm.parameters()) + [p for p in head.parameters() if id(p) not in ids]
         for ps, kind, key in ((e, "embed", -1), (h, "head", len(layers))):
             if ps:
                 seen.update(id(p) for p in ps)
-                units.append(Unit([(p.numel(), p.dtype, p.requires_grad) for p in ps], True, False, kind, key))
+                units.append(
+                    Unit(
+                        [(p.numel(), p.dtype, p.requires_grad) for p in ps],
+                        True,
+                        False,
+                        kind,
+                        key,
+                        tied_numel if kind == "embed" else 0,
+                        tied_dtype,
+                    )
+                )
+        tied_numel = 0
     rest = [p for p in _unique_parameters(model) if id(p) not in seen]
-    units.append(Unit([(p.numel(), p.dtype, p.requires_grad) for p in rest], False))
+    units.append(
+        Unit(
+            [(p.numel(), p.dtype, p.requires_grad) for p in rest], False, tied_numel=tied_numel, tied_dtype=tied_dtype
+        )
+    )
     return units
 
 
