@@ -41,6 +41,7 @@ def traced_run(model_type: str, plan: Plan, ga: int, dtype: torch.dtype, **extra
             save_strategy="no",
             planner_plan=write_plan(plan, tmp),
             activation_nvme_dir=os.path.join(tmp, "nvme"),
+            state_nvme_dir=os.path.join(tmp, "nvme"),  # for the plan's state_nvme units
             **extra,
         )
         n = STEPS * ga * plan.micro_batch_size

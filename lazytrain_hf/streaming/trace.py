@@ -133,8 +133,8 @@ class Trace:
                 )
 
     def waited(self, layer: int | None, what: str) -> None:
-        """The compute side waits for the earliest ``what`` transfer of ``layer`` not waited for yet (records the
-        stage it does so in ``stage_waited``)."""
+        """The compute side waits for the earliest ``what`` transfer of ``layer`` onto the device (lane ``h2d``) not
+        waited for yet (records the stage it does so in ``stage_waited``); the NVMe read before it is the host's."""
         if not self.enabled or layer is None:
             return
         with self._lock:
@@ -142,7 +142,7 @@ class Trace:
             if s is None or not self._detailed(s["step"]):
                 return
             for t in s["transfers"]:
-                if t["layer"] == layer and t["what"] == what and "stage_waited" not in t:
+                if t["lane"] == "h2d" and t["layer"] == layer and t["what"] == what and "stage_waited" not in t:
                     t["stage_waited"] = max(self.stage, 0)
                     return
 
