@@ -34,7 +34,9 @@ Note: [The state on NVMe commits per optimizer step]
     (written to a temporary file, flushed, renamed). A process killed during the write-back leaves the manifest of
     step ``n - 1`` and that step's state intact: `read_committed` returns it bit for bit. The compute copy and the
     gradient are caches of the step in progress (rebuilt from the masters, resp. the next backward), not part of
-    the committed state. Checkpoints are written from the committed state (`checkpoint_tensors`); a directory of a
+    the committed state: after a pass that failed (ENOSPC), `StreamHandle.remove()` gives these units' parameters
+    their committed masters, not the compute copies the pass may have rewritten. (Parameters kept in RAM, the
+    resident ones, are updated first in a pass and are not rolled back.) Checkpoints are written from the committed state (`checkpoint_tensors`); a directory of a
     process that is gone is removed by the next run in the same ``state_nvme_dir``. Tests:
     ``tests/test_state_nvme.py::test_kill_during_write_back`` and ``::test_disk_full_during_write_back``.
 
@@ -108,7 +110,11 @@ def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
 def _rebind(t: torch.Tensor, window: torch.Tensor, byte_offset: int, shape: torch.Size) -> None:
     """Point ``t`` at ``shape`` contiguous elements of its dtype at ``byte_offset`` of the uint8 ``window``."""
     it = t.dtype.itemsize
-    strides = torch.empty(0).new_empty(shape).stride() if len(shape) else ()
+    strides, acc = [], 1
+    for d in reversed(tuple(shape)):  # contiguous strides
+        strides.append(acc)
+        acc *= int(d)
+    strides = tuple(reversed(strides))
     base = window.storage_offset() + byte_offset
     if base % it:
         raise ValueError(f"byte offset {base} is not aligned to {t.dtype}")
@@ -195,6 +201,7 @@ class NvmeState:
         self._held: deque = deque()  # (event, window) of asynchronous copies still reading a fetch window
         self._lock = threading.Lock()
         self._source = None  # the DiskSource of parameters left on disk by remove() (`leave_on_disk`)
+        self._in_pass = False  # an optimizer pass wrote some unit since the last commit (it failed if it stays so)
         self._handed_over = False
         self._entries: dict[str, tuple[int, Any]] = {}  # parameter name -> (unit key, its store entry)
         self._zero_m = dynamic_lookup(True).zero_code
@@ -422,6 +429,7 @@ class NvmeState:
         """
         u = self.units[key]
         old, new = u.gen, 1 - u.gen
+        self._in_pass = True  # compute copies may now be ahead of the committed state until `commit`
         trace = self.trace
         cwin = aligned_empty(u.compute_bytes)
         if u.has_frozen:
@@ -534,6 +542,7 @@ class NvmeState:
                     p.step = u.pending.get(p.name, p.step)
                 u.pending = None
         self.step = int(step)
+        self._in_pass = False
         self._write_manifest()
 
     def _manifest(self) -> dict:
@@ -690,6 +699,10 @@ class NvmeState:
             key, e = self._entries[name]
             if restored and e.trainable and e.orig_dtype is not None:
                 out[name] = self.read_param(key, name, "master").view(e.shape).to(e.orig_dtype)
+                continue
+            if e.trainable and self._in_pass:
+                # a pass that failed may have rewritten some compute copies: the committed master decides
+                out[name] = self.read_param(key, name, "master").view(e.shape).to(e.dtype)
                 continue
             if key not in windows:
                 windows[key] = self._compute_window(key, "save")
