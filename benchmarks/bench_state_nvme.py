@@ -53,19 +53,14 @@ from typing import Any
 
 import torch
 
+from lazytrain_hf.planner.zoo import get_config as get_zoo_config
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 
-# Qwen2.5-3B's config.json (architecture fields; 3.09B parameters, tied embeddings).
+# Qwen2.5-3B's config.json: the planner zoo's architecture fields (3.09B parameters, tied embeddings) and the rest
 QWEN25_3B = dict(
-    model_type="qwen2",
-    hidden_size=2048,
-    intermediate_size=11008,
-    num_hidden_layers=36,
-    num_attention_heads=16,
-    num_key_value_heads=2,
-    vocab_size=151936,
-    tie_word_embeddings=True,
+    **get_zoo_config("qwen2.5-3b").to_dict(),
     rope_theta=1_000_000.0,
     max_position_embeddings=32768,
     rms_norm_eps=1e-6,
@@ -867,7 +862,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--cpu", action="store_true", help="train on the CPU even when CUDA is available.")
     ap.add_argument(
-        "--overlap", action="store_true", help="optim_overlap_forward=True (default on the CPU: off, as LazyTrainer's)."
+        "--overlap",
+        action="store_true",
+        help="optim_overlap_forward=True (default on the CPU: off, as LazyTrainer's).",
     )
     args = ap.parse_args(argv)
     if args.child:

@@ -188,7 +188,7 @@ def _process_alive(pid: int, start_ticks: int) -> bool:
     return True
 
 
-def remove_stale_spill_dirs(nvme_dir: str) -> list[str]:
+def remove_stale_spill_dirs(nvme_dir: str, pattern: re.Pattern = _SPILL_RE) -> list[str]:
     """Remove spill subdirectories under ``nvme_dir`` left by dead processes of this host; returns their paths.
 
     Note: [Spill files never outlive the process]
@@ -198,6 +198,9 @@ def remove_stale_spill_dirs(nvme_dir: str) -> list[str]:
     which runs through `atexit`, so SIGINT / KeyboardInterrupt and `sys.exit` clean up). A process killed with
     SIGKILL (or SIGTERM, which skips `atexit`) cannot clean up: the next engine constructed on the same directory
     removes the subdirectories whose owner no longer exists.
+
+    ``pattern``: how the private directories are named (groups ``host``, ``pid``, ``start``); the training state on
+    NVMe names its own (`lazytrain_hf.streaming.nvmestate`).
     """
     removed = []
     host = _host_id()
@@ -206,7 +209,7 @@ def remove_stale_spill_dirs(nvme_dir: str) -> list[str]:
     except OSError:
         return removed
     for name in names:
-        m = _SPILL_RE.match(name)
+        m = pattern.match(name)
         if m is None or m.group("host") != host:
             continue
         if _process_alive(int(m.group("pid")), int(m.group("start"))):

@@ -782,19 +782,7 @@ def read_committed(path: str) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
 
 def remove_stale_state_dirs(root: str) -> list[str]:
     """Remove the private state directories in ``root`` of processes of this host that are gone."""
-    removed = []
-    host = _io._host_id()
-    for name in os.listdir(root):
-        m = _DIR_RE.match(name)
-        if m is None or m["host"] != host:
-            continue
-        if _io._process_alive(int(m["pid"]), int(m["start"])):
-            continue
-        path = os.path.join(root, name)
-        shutil.rmtree(path, ignore_errors=True)
-        if not os.path.exists(path):
-            removed.append(path)
-    return removed
+    return _io.remove_stale_spill_dirs(root, _DIR_RE)
 
 
 def update_bytes(
