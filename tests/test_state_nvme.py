@@ -150,6 +150,14 @@ def test_kill_during_write_back(tmp_path):
     # and the step that was being written really had started writing: some generation differs from step 2's
     with open(tmp_path / "kill" / "writes.txt") as f:
         assert int(f.read()) > 0
+    # the next run in the same state_nvme_dir removes the directory of the process that is gone
+    from lazytrain_hf.streaming.trace import Trace
+
+    nxt = ns.NvmeState(str(tmp_path / "kill" / "state"), Trace())
+    try:
+        assert nxt.removed_stale == [path] and not os.path.exists(path)
+    finally:
+        nxt.close()
 
 
 @pytest.mark.parametrize(
