@@ -123,6 +123,12 @@ def page_cache_bytes(path: str) -> int | None:
     return min(size, resident * page)
 
 
+def no_readahead(fd: int) -> None:
+    """Tell the kernel not to read ahead of the reads on ``fd`` (``POSIX_FADV_RANDOM``): in ``fadvise`` mode a
+    readahead would cache pages past the entry a read drops (Note: [Spilled bytes leave RAM])."""
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)
+
+
 def _drop_cached(fd: int, offset: int, nbytes: int) -> None:
     """Ask the kernel to drop the (clean) page-cache pages of ``[offset, offset + nbytes)`` of ``fd``."""
     os.posix_fadvise(fd, offset, round_up(nbytes, IO_ALIGN), os.POSIX_FADV_DONTNEED)
@@ -324,6 +330,8 @@ class SpillDir:
                 p = os.path.join(path, f"step{step}_layer{layer:04d}.act")
                 flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
                 f = _SpillFile(p, os.open(p, flags, 0o600))
+                if self.io_mode == "fadvise":
+                    no_readahead(f.fd)
                 self.files[(step, layer)] = f
             return f
 

@@ -285,6 +285,8 @@ class NvmeState:
         path = os.path.join(self.path, f"unit{key:+05d}.state")
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | (os.O_DIRECT if self.direct else 0)
         fd = os.open(path, flags, 0o600)
+        if not self.direct:
+            _io.no_readahead(fd)
         fused = not ls.aliased and bool(ents) and all(e.dtype == torch.bfloat16 for e in ents)
         u = _Unit(
             key,
