@@ -22,7 +22,9 @@ from conftest import tiny_model
 from trainer_fixtures import LossRecorder
 
 LOSS_RTOL = 1e-5
-TIGHT_BUDGET = 1_200_000  # bytes: forces layers to stream (tiny qwen3, vocab 260, 2 x 61 tokens; 1.05 MB is the least)
+# bytes: forces layers to stream (tiny qwen3, vocab 260, 2 x 61 tokens): 1.05 MB is the least of any plan, 1.197 MB
+# the least with every layer resident (stage model), so no measured timing can make the MILP keep them all
+TIGHT_BUDGET = 1_150_000
 STEPS = 3
 SFT_LOGS = ("mean_token_accuracy", "entropy", "num_tokens")
 HINT = "pip install 'lazytrain-hf[trl]'"
