@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -608,10 +607,11 @@ class CostModel:
         """``(gradient bytes per micro-batch, optimizer reads, optimizer writes)`` of layer ``i`` with its state on
         NVMe: the fp32 gradient (4 B/param) written per micro-batch; per step the master, gradient and 8-bit moments
         in (10 B/param + block scales) and the master, moments and compute copy out (6 B/param + scales + w_i)."""
+        from ..streaming.nvmestate import update_bytes
+
         lc = self.layers[i]
-        p = lc.params
-        scales = 8 * math.ceil(p / 256)
-        return 4 * p, 10 * p + scales, 6 * p + scales + lc.weight_bytes
+        reads, writes = update_bytes([(lc.params, None, True)], lc.weight_bytes)  # the layer as one 8-bit tensor
+        return 4 * lc.params, reads, writes
 
     def optimizer_s_of(self, i: int) -> float:
         """Layer ``i``'s optimizer seconds: ``o_i``, or its state I/O where that is longer (state on NVMe)."""

@@ -198,32 +198,25 @@ def host_footprint(
         trainable = [n for n, _, t in u.tensors if t]
         fp.optimizer += optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
         in_compute = lay_dtypes(u.tensors, compute_dtype)
-        if u.streamed and u.key in state_nvme:
-            lay = layer_layout(u.tensors, compute_dtype)
-            small = [n for n, _, t in u.tensors if t and not (hybrid_8bit and n >= min_8bit_size)]
-            fp.optimizer -= optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
-            fp.optimizer += 8 * sum(small)  # fp32 moments of small tensors stay in RAM
-            fp.nvme_state += state_file_bytes(u.tensors, lay.compute_bytes, lay.train_elems, block_size, min_8bit_size)
-            win_compute.append(lay.compute_bytes + 2 * IO_ALIGN)
-            win_grad.append(4 * lay.train_elems + 2 * IO_ALIGN)
-            big = max([n for n in trainable if n not in small] or [0])
-            c = min(CHUNK_ELEMS, max(big, max(small or [0])))
-            chunk = max(chunk, c * 10 + 8 * -(-c // block_size) + 8 * IO_ALIGN)
-            max_unit = max(max_unit, lay.compute_bytes)
-            max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
-            if cpu:
-                nb = _align(lay.compute_bytes, ALIGN_BYTES)
-                if u.kind in ("embed", "head"):
-                    transient = max(transient, nb)
-                else:
-                    slot_bytes[u.kind] = max(slot_bytes.get(u.kind, 0), nb)
-            continue
         if u.streamed:
             lay = layer_layout(u.tensors, compute_dtype)
-            fp.compute += lay.compute_bytes
-            fp.masters += lay.master_bytes
-            fp.grads += lay.grad_bytes
-            fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
+            if u.key in state_nvme:  # its state is in its file: only its windows and small fp32 moments stay
+                small = [n for n, _, t in u.tensors if t and not (hybrid_8bit and n >= min_8bit_size)]
+                fp.optimizer -= optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
+                fp.optimizer += 8 * sum(small)
+                fp.nvme_state += state_file_bytes(
+                    u.tensors, lay.compute_bytes, lay.train_elems, block_size, min_8bit_size
+                )
+                win_compute.append(lay.compute_bytes + 2 * IO_ALIGN)
+                win_grad.append(4 * lay.train_elems + 2 * IO_ALIGN)
+                big = max([n for n in trainable if n not in small] or [0])
+                c = min(CHUNK_ELEMS, max(big, max(small or [0])))
+                chunk = max(chunk, c * 10 + 8 * -(-c // block_size) + 8 * IO_ALIGN)
+            else:
+                fp.compute += lay.compute_bytes
+                fp.masters += lay.master_bytes
+                fp.grads += lay.grad_bytes
+                fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
             max_unit = max(max_unit, lay.compute_bytes)
             max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
             if cpu:

@@ -29,8 +29,8 @@ class FetchScheduler:
     # Note: [A prefetch never waits for the optimizer]: fetch_ready(layer) -> whether a fetch may read the layer's
     # host compute copy now (its update is done); set by the layer-wise updater next to ``fetch_guard``
     fetch_ready = None
-    fetch_deferrals: int = 0
-    nvme_state = None  # the state on NVMe of the units in plan.state_nvme (lazytrain_hf.streaming.nvmestate)  # prefetches deferred because their layer's update was not done
+    fetch_deferrals: int = 0  # prefetches deferred because their layer's update was not done
+    nvme_state = None  # the state on NVMe of the units in plan.state_nvme (lazytrain_hf.streaming.nvmestate)
 
     def _fetch(self, i: int, urgent: bool) -> bool:
         st = self._all[i]

@@ -413,7 +413,7 @@ class HostStore:
         grad = None
         if n_train:
             if index in self.no_grad_buffer:
-                grad = poisoned((n_train,), torch.float32)  # a placeholder (Note: in streaming/nvmestate.py)
+                grad = poisoned((n_train,), torch.float32)  # a placeholder: the unit's state file holds it
             else:
                 grad = self._pinned(n_train, torch.float32, pins)
         ls = LayerStore(

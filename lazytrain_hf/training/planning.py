@@ -121,15 +121,12 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     # planner_host_budget bounds the whole host footprint: offloaded activations get what the state leaves of it
     # (check_host_memory then holds the plan to the whole budget)
     # the training state on NVMe (state_nvme_dir): where the default plan needs it, the MILP plans its I/O
-    state_keys: list[int] = []
-    if a.state_nvme_dir:
-        p0 = Plan.default(len(kinds), kinds, stream_embeddings=a.stream_embeddings, model="")
-        compute_dtype = torch.bfloat16 if a.bf16 else None
-        state_keys = place_state(p0, model, a, hybrid_8bit=a.optim_hybrid_8bit, compute_dtype=compute_dtype)
+    compute_dtype = torch.bfloat16 if a.bf16 else None
+    p0 = Plan.default(len(kinds), kinds, stream_embeddings=a.stream_embeddings, model="")
+    state_keys = place_state(p0, model, a, hybrid_8bit=a.optim_hybrid_8bit, compute_dtype=compute_dtype)
     pinned_budget = None
     if a.planner_host_budget is not None:
-        compute_dtype = torch.bfloat16 if a.bf16 else None
-        state = host_footprint(None, model, hybrid_8bit=a.optim_hybrid_8bit, compute_dtype=compute_dtype, args=a)
+        state = host_footprint(p0, model, hybrid_8bit=a.optim_hybrid_8bit, compute_dtype=compute_dtype, args=a)
         pinned_budget = max(0, int(a.planner_host_budget) - (max(state.total, state.save_peak) - state.activations))
     if a.planner_policy == "milp":
         plan = milp.plan_for_model(
