@@ -144,6 +144,7 @@ class Unit:
     # gradients (the lm_head's, waiting, and the lookup's) into a third tensor before they reach the executor
     tied_numel: int = 0
     tied_dtype: torch.dtype = torch.float32
+    on_disk: bool = False  # a streamed unit read from disk (`lazytrain_hf.from_pretrained`)
 
 
 def optimizer_state_bytes(
@@ -215,6 +216,11 @@ def host_footprint(
             else:
                 fp.compute += lay.compute_bytes
                 fp.masters += lay.master_bytes
+            if not u.on_disk:
+                # Note: [A frozen parameter keeps its own values] (streaming/store.py): the original of a frozen
+                # parameter whose compute copy is rounded stays on the host
+                kept = [n * d.itemsize for (n, d, t), (_, cd, _) in zip(u.tensors, in_compute) if not t and cd != d]
+                fp.masters += sum(kept)
                 fp.grads += lay.grad_bytes
                 fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
             max_unit = max(max_unit, lay.compute_bytes)
@@ -299,6 +305,7 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
                     bool(lp is not None and lp.resident),
                     lp.kind if lp is not None else "",
                     key,
+                    on_disk=any(p.device.type == "meta" for p in streamed),  # attach reads meta ones from disk
                 )
             )
     embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)

@@ -302,11 +302,14 @@ class ParameterBinder:
                     st.slot = None
                     st.bound = False
                     continue
+                frozen = st.store.frozen_values()  # Note: [A frozen parameter keeps its own values] in store.py
                 for e in st.store.entries:
                     src = st.store.compute_views[e.name]
                     if e.orig_dtype is not None and e.trainable:
                         src = st.store.master_views[e.name]  # Note: [A bf16 compute copy of an fp32 model]
-                    e.param.data = src.to(e.orig_device, e.orig_dtype or e.dtype, copy=True)
+                    elif e.name in frozen:
+                        src = frozen[e.name]
+                    e.param.data = src.to(e.orig_device, e.orig_dtype or e.dtype, copy=e.name not in frozen)
                     e.param.grad = None
                 st.slot = None
                 st.bound = False

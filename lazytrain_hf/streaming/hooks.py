@@ -493,7 +493,8 @@ def attach(
                 Every fp32 parameter is computed in bf16: the host store's compute copy (what slots receive) and
                 resident parameters on the device are bf16, the fp32 masters are the parameters' own fp32 values
                 (streamed: the store's master; resident: `StreamHandle.resident_fp32`), and `remove()` gives each
-                trainable parameter its fp32 master back (a frozen one its bf16 value in fp32). The model then runs
+                trainable parameter its fp32 master back (a frozen one its own
+                original tensor: Note: [A frozen parameter keeps its own values] in store.py). The model then runs
                 as a bf16-loaded model does, with fp32 masters for the optimizer.
 
     Returns:

@@ -283,7 +283,33 @@ class LayerStore:
     has_grad: bool = False
     aliased: bool = False
     layout: LayerLayout | None = None
+    # Note: [A frozen parameter keeps its own values]: name -> the original tensor, or (DiskSource, key) when on disk
+    frozen_originals: dict[str, object] = field(default_factory=dict, repr=False)
     _pins: list = field(default_factory=list, repr=False)  # Note: [Pinned blocks are registered, not cached]
+
+    def frozen_values(self) -> dict[str, torch.Tensor]:
+        """The original values of the frozen parameters whose compute copy is in another dtype, by name.
+
+        Note: [A frozen parameter keeps its own values]
+            With a compute copy in another dtype (``bf16=True`` on an fp32 model) the store holds a frozen
+            parameter only rounded (it has no fp32 master: nothing updates it). `remove()` must not give the
+            parameter that rounded copy back: frozen weights (a frozen layer, a PEFT base) are bit-identical after
+            `train()` and `evaluate()`. The store therefore keeps the parameter's original tensor (the resident
+            parameters' `resident_fp32` does the same), or, for a parameter left on disk, where to read it again.
+        """
+        out: dict[str, torch.Tensor] = {}
+        by_source: dict[int, tuple[DiskSource, dict[str, str]]] = {}
+        for name, orig in self.frozen_originals.items():
+            if isinstance(orig, torch.Tensor):
+                out[name] = orig
+            else:
+                source, key = orig
+                by_source.setdefault(id(source), (source, {}))[1][key] = name
+        dtypes = {e.name: e.orig_dtype for e in self.entries}
+        for source, names in by_source.values():
+            for key, value in source.read(list(names)).items():
+                out[names[key]] = value.to(dtypes[names[key]])  # as `add_layer` cast it on the way in
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -468,6 +494,9 @@ class HostStore:
                         if index in self.no_grad_buffer
                         else grad.narrow(0, e.elem_offset, e.numel).view(e.shape)
                     )
+                if not e.trainable and e.orig_dtype is not None:
+                    # Note: [A frozen parameter keeps its own values]
+                    ls.frozen_originals[e.name] = ds if ds is not None else e.param.data
                 # the parameter's own storage is released now (same values); a meta parameter becomes a host one
                 target = cv if e.orig_dtype is None else ls.master_views.get(e.name)
                 if ds is not None:
