@@ -311,6 +311,13 @@ class LazyTrainingArguments(TrainingArguments):
                 "activations instead (planner_policy='milp' chooses per layer, 'all_recompute' recomputes every "
                 "layer). Leave it off, or set stream_enabled=False."
             )
+        if self.stream_enabled and self.torch_compile:
+            raise ValueError(
+                "torch_compile=True with stream_enabled=True: the executor binds each decoder layer's weights into "
+                "device slots through module hooks between calls, which a compiled graph would bake in or break on, "
+                "so the model would not be compiled as asked. Set torch_compile=False (and leave "
+                "torch_compile_backend / torch_compile_mode unset), or stream_enabled=False to compile the plain model."
+            )
         if self.stream_enabled and self.fp16:
             raise ValueError(
                 "fp16=True with stream_enabled=True: streaming has no fp16 loss scaling (the grad scaler fails at "
@@ -380,6 +387,7 @@ class LazyTrainingArguments(TrainingArguments):
         # TrainingArguments.__post_init__ rewrites some fields (enums, derived paths); re-run it from the originals.
         values.update(overrides)
         streams = values.get("stream_enabled", _field_default(target, "stream_enabled"))
+        _refuse_unsupported_trl_config(type(args), streams)
         checkpointing = [k for k in ("activation_checkpointing", "gradient_checkpointing") if values.get(k)]
         if streams and checkpointing and not any(k in overrides for k in checkpointing):
             warnings.warn(
@@ -389,6 +397,26 @@ class LazyTrainingArguments(TrainingArguments):
             )
             values.update({k: None if k == "activation_checkpointing" else False for k in checkpointing})
         return target(**_originals(args, values))
+
+
+# TRL configs whose trainer LazyTrain streams (`lazytrain_hf.LazySFTTrainer`), and their bases
+TRL_SUPPORTED_CONFIGS = ("SFTConfig", "_BaseConfig", "BaseConfig")
+
+
+def _refuse_unsupported_trl_config(config_cls: type, streams: bool) -> None:
+    """A TRL config of a trainer other than SFT (`DPOConfig`, `RewardConfig`, `GRPOConfig`, ...) is not upgraded to
+    streaming LazyTrain arguments: LazyTrain streams `Trainer` and `SFTTrainer` only (their causal-LM loss)."""
+    if not streams:
+        return
+    for c in config_cls.__mro__:
+        if c.__module__.startswith("trl.") and c.__name__.endswith("Config") and c.__name__ not in TRL_SUPPORTED_CONFIGS:
+            trainer = c.__name__[: -len("Config")] + "Trainer"
+            raise ValueError(
+                f"{config_cls.__name__} with stream_enabled=True: TRL's {trainer} is not supported by LazyTrain's "
+                f"streaming path (the executor computes a causal-LM loss, not {trainer}'s). Supported while "
+                "streaming: lazytrain_hf.LazyTrainer (transformers.Trainer) and lazytrain_hf.LazySFTTrainer "
+                f"(trl.SFTTrainer). Train with trl.{trainer} and a plain {c.__name__}, or pass stream_enabled=False."
+            )
 
 
 def _refuse_foreign_trainer(args: LazyTrainingArguments) -> None:
@@ -404,7 +432,13 @@ def _refuse_foreign_trainer(args: LazyTrainingArguments) -> None:
             if "lazytrain_hf.trainer.LazyTrainer" in names:
                 return
             sft = any(n.startswith("trl.") and n.endswith(".SFTTrainer") for n in names)
+            other_trl = any(n.startswith("trl.") and n.endswith("Trainer") for n in names) and not sft
             fix = "lazytrain_hf.LazySFTTrainer(...)" if sft else "lazytrain_hf.LazyTrainer(...)"
+            if other_trl:
+                fix = (
+                    "LazyTrain streams transformers.Trainer (LazyTrainer) and trl.SFTTrainer (LazySFTTrainer) only; "
+                    f"train {type(owner).__name__} with its own config"
+                )
             raise ValueError(
                 f"{type(owner).__name__}(args={type(args).__name__}(stream_enabled=True)): only LazyTrainer runs "
                 f"the LazyTrain path (plan, streaming hooks, HybridAdamW8bit); a {type(owner).__name__} would train "

@@ -35,10 +35,9 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from . import models
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import checkpoints, planning
+from .training import checkpoints, contract, planning
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -79,11 +78,16 @@ class LazyTrainer(Trainer):
         elif not isinstance(args, LazyTrainingArguments):
             args = LazyTrainingArguments.from_training_arguments(args)
 
-        # Phase 2: fail early on models the executor cannot stream.
-        if args.stream_enabled and model is not None:
-            models.get_spec(planning.unwrap_base(model))
+        # Phase 2: fail early on what would not be honoured (training/contract.py): a TRL trainer other than SFT, a
+        # create_optimizer override or optimizer_cls_and_kwargs the streamed layers would never see, a model the
+        # executor cannot stream (or, streaming off, one whose weights are still on disk).
+        contract.check_trainer_class(type(self), LazyTrainer, args.stream_enabled)
+        contract.check_optimizer_options(args, kwargs.get("optimizer_cls_and_kwargs"))
+        contract.check_model(model, args.stream_enabled)
 
         super().__init__(model=model, args=args, **kwargs)
+        if model is None:
+            contract.check_model(self.model, args.stream_enabled)  # what model_init returned
 
         # Phase 3: LazyTrain state, filled by train().
         self.stream_handle = None
@@ -101,6 +105,8 @@ class LazyTrainer(Trainer):
         self._plan_from_file = False
         self._best_pending = False
         self._previous_optimizer: torch.optim.Optimizer | None = None
+        # Note: [create_optimizer() before train()]: the optimizer create_optimizer() built before train()
+        self._prebuilt_optimizer: torch.optim.Optimizer | None = None
         self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
 
     # ------------------------------------------------------------------ train()
@@ -110,9 +116,14 @@ class LazyTrainer(Trainer):
         from .streaming import attach
 
         self._best_pending = False
+        model_init = self.model_init
+        if model_init is not None:
+            self._init_trial_model(trial)  # Note: [model_init builds each trial's model before it is planned]
         # Note: [The optimizer outlives train()]: ours from an earlier train() seeds the next one's state
         if self.optimizer is not None and self.optimizer is self._previous_optimizer:
             self.optimizer = None
+        elif self.optimizer is not None and self.optimizer is self._prebuilt_optimizer:
+            self.optimizer = None  # Note: [create_optimizer() before train()]
         elif self.optimizer is not None:
             raise ValueError(
                 "LazyTrainer(optimizers=...) with stream_enabled=True: the streamed model is updated by the "
@@ -187,8 +198,10 @@ class LazyTrainer(Trainer):
                 # group the training thread's collectives use)
                 self._dp_host_group = dist.new_group(backend="gloo")
                 self.stream_handle.host_grad_reducer = self._all_reduce_layer
+            self.model_init = None  # Trainer.train() would build another model than the one streamed
             result = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
+            self.model_init = model_init
             with contextlib.suppress(AttributeError):
                 del self.model._is_accelerate_prepared
             self._preloaded_checkpoint = None
@@ -205,6 +218,24 @@ class LazyTrainer(Trainer):
             self._best_pending = False
             self._load_best_now()
         return result
+
+    def _init_trial_model(self, trial: Any) -> None:
+        """Note: [model_init builds each trial's model before it is planned]
+        `Trainer.train()` calls ``model_init`` itself (a fresh model per trial of `hyperparameter_search`), after
+        this trainer has planned and attached the executor to the previous model: that one would be streamed and
+        updated while the new one computed the loss untouched. The model is therefore built here first, as
+        `Trainer.train()` builds it (seeded, the trial's hyperparameters set), and Trainer does not build another:
+        each trial gets its own plan, host store and optimizer."""
+        from transformers.trainer_utils import enable_full_determinism, set_seed
+
+        self._hp_search_setup(trial)  # the trial's hyperparameters (a batch size the plan must know) first
+        enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
+        self.model = self.call_model_init(trial)
+        contract.check_model(self.model, self.args.stream_enabled)
+        self.model_wrapped = self.model
+        self.optimizer, self.lr_scheduler = None, None
+        self._previous_optimizer = self._prebuilt_optimizer = None
+        self.lazy_plan, self.lazy_cost_model, self._n_params = None, None, None
 
     def _load_best_model(self) -> None:
         """Note: [The best model is loaded into the unstreamed model]
@@ -318,10 +349,10 @@ class LazyTrainer(Trainer):
         """One collated training micro-batch, taken without touching the training dataloader's RNG."""
         if self.train_dataset is None:
             raise ValueError("LazyTrainer.train() needs a train_dataset to plan and train.")
-        n = min(self.args.per_device_train_batch_size, len(self.train_dataset))
-        if n == 0:
+        # an iterable dataset (no len()) gives its first rows: the planner's batch is the first batch
+        rows = contract.first_rows(self.train_dataset, self.args.per_device_train_batch_size)
+        if not rows:
             raise ValueError("train_dataset is empty; pass a dataset with at least one row.")
-        rows = [self.train_dataset[i] for i in range(n)]
         dl = self.get_train_dataloader()  # only for its collator (column removal included)
         batch = dl.collate_fn(rows) if hasattr(dl, "collate_fn") else self.data_collator(rows)
         return self._prepare_inputs(batch)
@@ -433,13 +464,20 @@ class LazyTrainer(Trainer):
             return super().predict(*args, **kwargs)
 
     # ------------------------------------------------------------------ loss
-    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        if (
+    def _uses_chunked_loss(self, model, return_outputs: bool) -> bool:
+        """Whether the loss is the executor's chunked loss; otherwise Trainer's (the model's own forward, streamed
+        through the layer hooks): streaming off, outputs asked for, label smoothing, a ``compute_loss_func``, or a
+        ``forward`` the user overrides or wraps (`contract.custom_forward`), which must run."""
+        return not (
             self.stream_handle is None
             or return_outputs
             or self.label_smoother is not None
-            or (self.compute_loss_func is not None)
-        ):
+            or self.compute_loss_func is not None
+            or contract.custom_forward(model) is not None
+        )
+
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        if not self._uses_chunked_loss(model, return_outputs):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
@@ -462,6 +500,7 @@ class LazyTrainer(Trainer):
         if self.optimizer is not None:
             return self.optimizer
         model = model if model is not None else self.model
+        prebuilt, self._prebuilt_optimizer = self._prebuilt_optimizer, None
         decay = set(self.get_decay_parameter_names(model))
         groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         if self.stream_handle is not None:
@@ -488,6 +527,10 @@ class LazyTrainer(Trainer):
             block_size=self.args.optim_block_size,
             min_8bit_size=self.args.optim_min_8bit_size,
         )
+        if prebuilt is not None and self.stream_handle is not None:
+            contract.adopt_group_settings(opt, prebuilt)  # Note: [create_optimizer() before train()]
+        elif self.args.stream_enabled and self.stream_handle is None:
+            self._prebuilt_optimizer = opt
         if self.stream_handle is not None:
             self._updater.bind(opt)
             previous, self._previous_optimizer = self._previous_optimizer, None

@@ -239,7 +239,7 @@ class LazySFTTrainer(LazyTrainer, SFTTrainer):
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        if not self._uses_chunked_loss(return_outputs):
+        if not self._uses_chunked_loss(model, return_outputs):
             # streaming off, or what the chunked loss cannot do: SFTTrainer's own loss and logs
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -253,15 +253,6 @@ class LazySFTTrainer(LazyTrainer, SFTTrainer):
         if len(self._metrics[mode]["mean_token_accuracy"]) == logged:
             self._log_token_statistics(mode, inputs, seen[-1], models.lm_head(root))
         return loss
-
-    def _uses_chunked_loss(self, return_outputs: bool) -> bool:
-        """Whether `LazyTrainer.compute_loss` takes the chunked path (the same conditions)."""
-        return not (
-            self.stream_handle is None
-            or return_outputs
-            or self.label_smoother is not None
-            or self.compute_loss_func is not None
-        )
 
     def _log_token_statistics(self, mode: str, inputs: dict[str, Any], hidden: torch.Tensor, head: Any) -> None:
         """Append what `SFTTrainer.compute_loss` logs (`entropy`, `mean_token_accuracy`, `num_tokens`), gathered

@@ -507,7 +507,7 @@ def attach(
             "attach(model=...): this model already has a streaming executor attached; call handle.remove() first."
         )
     root = hf_root(model)
-    models.get_spec(root)  # ValueError listing the supported model types
+    models.check_causal_lm(root)  # ValueError listing the supported model types / classes
     # transformers renamed the property (is_gradient_checkpointing warns from 5.x on); read whichever exists.
     ckpt_attr = "is_activation_checkpointing" if hasattr(type(root), "is_activation_checkpointing") else None
     if getattr(root, ckpt_attr or "is_gradient_checkpointing", False):
