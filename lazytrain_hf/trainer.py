@@ -37,7 +37,7 @@ from transformers.utils import logging
 
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import checkpoints, contract, planning
+from .training import checkpoints, contract, dataparallel, planning
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -78,16 +78,10 @@ class LazyTrainer(Trainer):
         elif not isinstance(args, LazyTrainingArguments):
             args = LazyTrainingArguments.from_training_arguments(args)
 
-        # Phase 2: fail early on what would not be honoured (training/contract.py): a TRL trainer other than SFT, a
-        # create_optimizer override or optimizer_cls_and_kwargs the streamed layers would never see, a model the
-        # executor cannot stream (or, streaming off, one whose weights are still on disk).
-        contract.check_trainer_class(type(self), LazyTrainer, args.stream_enabled)
-        contract.check_optimizer_options(args, kwargs.get("optimizer_cls_and_kwargs"))
-        contract.check_model(model, args.stream_enabled)
-
+        # Phase 2: fail early on what would not be honoured (training/contract.py).
+        contract.check_construction(type(self), LazyTrainer, args, model, kwargs.get("optimizer_cls_and_kwargs"))
         super().__init__(model=model, args=args, **kwargs)
-        if model is None:
-            contract.check_model(self.model, args.stream_enabled)  # what model_init returned
+        contract.check_model(self.model, args.stream_enabled)  # also what model_init returned
 
         # Phase 3: LazyTrain state, filled by train().
         self.stream_handle = None
@@ -105,8 +99,7 @@ class LazyTrainer(Trainer):
         self._plan_from_file = False
         self._best_pending = False
         self._previous_optimizer: torch.optim.Optimizer | None = None
-        # Note: [create_optimizer() before train()]: the optimizer create_optimizer() built before train()
-        self._prebuilt_optimizer: torch.optim.Optimizer | None = None
+        self._prebuilt_optimizer: torch.optim.Optimizer | None = None  # Note: [create_optimizer() before train()]
         self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
 
     # ------------------------------------------------------------------ train()
@@ -221,11 +214,9 @@ class LazyTrainer(Trainer):
 
     def _init_trial_model(self, trial: Any) -> None:
         """Note: [model_init builds each trial's model before it is planned]
-        `Trainer.train()` calls ``model_init`` itself (a fresh model per trial of `hyperparameter_search`), after
-        this trainer has planned and attached the executor to the previous model: that one would be streamed and
-        updated while the new one computed the loss untouched. The model is therefore built here first, as
-        `Trainer.train()` builds it (seeded, the trial's hyperparameters set), and Trainer does not build another:
-        each trial gets its own plan, host store and optimizer."""
+        `Trainer.train()` would call ``model_init`` after the executor was attached to the previous model (the new
+        one then computes the loss, the old one is updated): it is built here first, as Trainer builds it, and
+        Trainer builds no other. Each trial gets its own plan, host store and optimizer."""
         from transformers.trainer_utils import enable_full_determinism, set_seed
 
         self._hp_search_setup(trial)  # the trial's hyperparameters (a batch size the plan must know) first
@@ -393,33 +384,8 @@ class LazyTrainer(Trainer):
     def _all_reduce_layer(self, layer: int, grads: list[torch.Tensor]) -> None:
         """Average gradients over the data-parallel ranks in place, in fp32, once per optimizer step: a layer's flat
         fp32 host accumulator (``layer >= 0`` or a streamed unit, on the gloo group made for them) or the resident
-        parameters' device gradients (``layer == -1``, on the default group).
-
-        Large fp32 tensors are reduced where they are (no copy); the others (bf16 gradients, small fp32 ones such
-        as norms and adapters) go through one fp32 buffer, which is the upcast of a bf16 one, reduced in one call
-        and copied back: a bf16 result is the rank mean within one rounding of bf16 (``2^-8`` relative)."""
-        import torch.distributed as dist
-
-        world = dist.get_world_size()
-        group = self._dp_host_group if layer != -1 else None
-        in_place = [g.dtype == torch.float32 and (len(grads) == 1 or g.numel() >= 1 << 16) for g in grads]
-        low = [g for g, keep in zip(grads, in_place) if not keep]
-        for g, keep in zip(grads, in_place):
-            if keep:
-                dist.all_reduce(g, group=group)
-                g.div_(world)
-        if low:
-            flat = torch.empty(sum(g.numel() for g in low), dtype=torch.float32, device=low[0].device)
-            offset = 0
-            for g in low:
-                flat[offset : offset + g.numel()].copy_(g.reshape(-1))
-                offset += g.numel()
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
-            offset = 0
-            for g in low:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        parameters' device gradients (``layer == -1``, on the default group); `dataparallel.all_reduce_mean`."""
+        dataparallel.all_reduce_mean(grads, group=self._dp_host_group if layer != -1 else None)
 
     def _reduce_resident_grads(self) -> None:
         """The resident parameters' gradients averaged over the ranks, once per optimizer step (before the norm)."""
@@ -464,20 +430,14 @@ class LazyTrainer(Trainer):
             return super().predict(*args, **kwargs)
 
     # ------------------------------------------------------------------ loss
-    def _uses_chunked_loss(self, model, return_outputs: bool) -> bool:
-        """Whether the loss is the executor's chunked loss; otherwise Trainer's (the model's own forward, streamed
-        through the layer hooks): streaming off, outputs asked for, label smoothing, a ``compute_loss_func``, or a
-        ``forward`` the user overrides or wraps (`contract.custom_forward`), which must run."""
-        return not (
+    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
+        if (
             self.stream_handle is None
             or return_outputs
             or self.label_smoother is not None
-            or self.compute_loss_func is not None
-            or contract.custom_forward(model) is not None
-        )
-
-    def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        if not self._uses_chunked_loss(model, return_outputs):
+            or (self.compute_loss_func is not None)
+            or contract.custom_forward(model) is not None  # a user's forward (override or wrapper) must run
+        ):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
@@ -527,10 +487,8 @@ class LazyTrainer(Trainer):
             block_size=self.args.optim_block_size,
             min_8bit_size=self.args.optim_min_8bit_size,
         )
-        if prebuilt is not None and self.stream_handle is not None:
-            contract.adopt_group_settings(opt, prebuilt)  # Note: [create_optimizer() before train()]
-        elif self.args.stream_enabled and self.stream_handle is None:
-            self._prebuilt_optimizer = opt
+        # Note: [create_optimizer() before train()]
+        self._prebuilt_optimizer = contract.prebuilt_optimizer(opt, prebuilt, self.args.stream_enabled, self.stream_handle)
         if self.stream_handle is not None:
             self._updater.bind(opt)
             previous, self._previous_optimizer = self._previous_optimizer, None

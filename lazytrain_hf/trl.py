@@ -51,6 +51,7 @@ from transformers.utils import logging  # noqa: E402
 from . import models  # noqa: E402
 from .args import LazyTrainingArguments  # noqa: E402
 from .trainer import LazyTrainer  # noqa: E402
+from .training.contract import custom_forward  # noqa: E402
 from .training.planning import unwrap_base  # noqa: E402
 
 if Version(trl.__version__) < Version(TRL_MIN_VERSION):
@@ -253,6 +254,16 @@ class LazySFTTrainer(LazyTrainer, SFTTrainer):
         if len(self._metrics[mode]["mean_token_accuracy"]) == logged:
             self._log_token_statistics(mode, inputs, seen[-1], models.lm_head(root))
         return loss
+
+    def _uses_chunked_loss(self, model, return_outputs: bool) -> bool:
+        """Whether `LazyTrainer.compute_loss` takes the chunked path (the same conditions)."""
+        return not (
+            self.stream_handle is None
+            or return_outputs
+            or self.label_smoother is not None
+            or self.compute_loss_func is not None
+            or custom_forward(model) is not None
+        )
 
     def _log_token_statistics(self, mode: str, inputs: dict[str, Any], hidden: torch.Tensor, head: Any) -> None:
         """Append what `SFTTrainer.compute_loss` logs (`entropy`, `mean_token_accuracy`, `num_tokens`), gathered

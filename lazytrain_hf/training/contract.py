@@ -32,6 +32,13 @@ def _qualnames(cls: type) -> list[tuple[str, type]]:
     return [(f"{c.__module__}.{c.__qualname__}", c) for c in cls.__mro__]
 
 
+def check_construction(trainer_cls: type, lazy_cls: type, args: Any, model: Any, optimizer_cls_and_kwargs: Any) -> None:
+    """Every check `LazyTrainer.__init__` makes before `Trainer.__init__` runs (the functions below)."""
+    check_trainer_class(trainer_cls, lazy_cls, args.stream_enabled)
+    check_optimizer_options(args, optimizer_cls_and_kwargs)
+    check_model(model, args.stream_enabled)
+
+
 def check_trainer_class(trainer_cls: type, lazy_cls: type, stream_enabled: bool) -> None:
     """Refuse, while streaming, a `LazyTrainer` subclass mixed with a TRL trainer other than SFT (its loss is not the
     causal-LM loss the executor computes) or overriding `create_optimizer` (the streamed layers are updated by the
@@ -121,6 +128,19 @@ def first_rows(dataset: Any, n: int) -> list[Any]:
     if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
         return [dataset[i] for i in range(min(n, len(dataset)))]
     return list(itertools.islice(iter(dataset), n))
+
+
+def prebuilt_optimizer(
+    optimizer: torch.optim.Optimizer, prebuilt: torch.optim.Optimizer | None, stream_enabled: bool, handle: Any
+) -> torch.optim.Optimizer | None:
+    """`LazyTrainer.create_optimizer` made ``optimizer``: built before `train()` while streaming, it is returned (to
+    be remembered as the early optimizer); built inside `train()`, it takes the early one's group settings
+    (`adopt_group_settings`) and None is returned. Note: [create_optimizer() before train()]."""
+    if handle is not None:
+        if prebuilt is not None:
+            adopt_group_settings(optimizer, prebuilt)
+        return None
+    return optimizer if stream_enabled else None
 
 
 def adopt_group_settings(optimizer: torch.optim.Optimizer, prebuilt: torch.optim.Optimizer) -> None:
