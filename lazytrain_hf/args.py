@@ -409,7 +409,11 @@ def _refuse_unsupported_trl_config(config_cls: type, streams: bool) -> None:
     if not streams:
         return
     for c in config_cls.__mro__:
-        if c.__module__.startswith("trl.") and c.__name__.endswith("Config") and c.__name__ not in TRL_SUPPORTED_CONFIGS:
+        if (
+            c.__module__.startswith("trl.")
+            and c.__name__.endswith("Config")
+            and c.__name__ not in TRL_SUPPORTED_CONFIGS
+        ):
             trainer = c.__name__[: -len("Config")] + "Trainer"
             raise ValueError(
                 f"{config_cls.__name__} with stream_enabled=True: TRL's {trainer} is not supported by LazyTrain's "

@@ -488,7 +488,7 @@ class LazyTrainer(Trainer):
             min_8bit_size=self.args.optim_min_8bit_size,
         )
         # Note: [create_optimizer() before train()]
-        self._prebuilt_optimizer = contract.prebuilt_optimizer(opt, prebuilt, self.args.stream_enabled, self.stream_handle)
+        self._prebuilt_optimizer = contract.prebuilt_optimizer(opt, prebuilt, self.args, self.stream_handle)
         if self.stream_handle is not None:
             self._updater.bind(opt)
             previous, self._previous_optimizer = self._previous_optimizer, None

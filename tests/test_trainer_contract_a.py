@@ -127,7 +127,9 @@ def test_user_forward_runs(tmp_path, build):
     Trainer, whose loss is the model's own forward."""
 
     def run(stream: bool) -> list[float]:
-        tr = LazyTrainer(model=build(), args=lazy_args(tmp_path, f"fwd-{stream}", stream), train_dataset=token_dataset())
+        tr = LazyTrainer(
+            model=build(), args=lazy_args(tmp_path, f"fwd-{stream}", stream), train_dataset=token_dataset()
+        )
         return train_losses(tr)
 
     ref, got = run(False), run(True)

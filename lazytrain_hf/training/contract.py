@@ -10,14 +10,18 @@ module: the trainer passes itself (its class) and its arguments as plain values.
 
 from __future__ import annotations
 
+import functools
 import itertools
 from typing import Any
 
 import torch
+from transformers.utils import logging
 
 from .. import models
 from ..loading import weights_on_disk
 from .planning import unwrap_base
+
+logger = logging.get_logger(__name__)
 
 # Modules whose `forward` methods are the library's own: a class (or PEFT / accelerate wrapper) from anywhere else
 # that defines `forward` is the user's.
@@ -32,7 +36,9 @@ def _qualnames(cls: type) -> list[tuple[str, type]]:
     return [(f"{c.__module__}.{c.__qualname__}", c) for c in cls.__mro__]
 
 
-def check_construction(trainer_cls: type, lazy_cls: type, args: Any, model: Any, optimizer_cls_and_kwargs: Any) -> None:
+def check_construction(
+    trainer_cls: type, lazy_cls: type, args: Any, model: Any, optimizer_cls_and_kwargs: Any
+) -> None:
     """Every check `LazyTrainer.__init__` makes before `Trainer.__init__` runs (the functions below)."""
     check_trainer_class(trainer_cls, lazy_cls, args.stream_enabled)
     check_optimizer_options(args, optimizer_cls_and_kwargs)
@@ -114,12 +120,25 @@ def custom_forward(model: torch.nn.Module) -> str | None:
         if not isinstance(m, torch.nn.Module) or id(m) in seen:
             continue
         seen.add(id(m))
+        reason = None
         if "forward" in vars(m):
-            return f"{type(m).__name__}.forward is replaced on the instance"
+            reason = f"{type(m).__name__}.forward is replaced on the instance"
         owner = next((c for c in type(m).__mro__ if "forward" in vars(c)), None)
-        if owner is not None and not owner.__module__.startswith(LIBRARY_MODULES):
-            return f"{owner.__qualname__}.forward ({owner.__module__}) overrides it"
+        if reason is None and owner is not None and not owner.__module__.startswith(LIBRARY_MODULES):
+            reason = f"{owner.__qualname__}.forward ({owner.__module__}) overrides it"
+        if reason is not None:
+            _say_full_logits(reason)
+            return reason
     return None
+
+
+@functools.cache
+def _say_full_logits(reason: str) -> None:
+    logger.warning(
+        f"LazyTrainer: {reason}; the loss is computed by the model's own forward (its decoder layers streamed), "
+        "with the full batch x sequence x vocabulary logits, instead of LazyTrain's chunked loss. Use a forward "
+        "hook (register_forward_hook) to observe the model without changing its loss path."
+    )
 
 
 def first_rows(dataset: Any, n: int) -> list[Any]:
@@ -131,7 +150,7 @@ def first_rows(dataset: Any, n: int) -> list[Any]:
 
 
 def prebuilt_optimizer(
-    optimizer: torch.optim.Optimizer, prebuilt: torch.optim.Optimizer | None, stream_enabled: bool, handle: Any
+    optimizer: torch.optim.Optimizer, prebuilt: torch.optim.Optimizer | None, args: Any, handle: Any
 ) -> torch.optim.Optimizer | None:
     """`LazyTrainer.create_optimizer` made ``optimizer``: built before `train()` while streaming, it is returned (to
     be remembered as the early optimizer); built inside `train()`, it takes the early one's group settings
@@ -140,7 +159,7 @@ def prebuilt_optimizer(
         if prebuilt is not None:
             adopt_group_settings(optimizer, prebuilt)
         return None
-    return optimizer if stream_enabled else None
+    return optimizer if args.stream_enabled else None
 
 
 def adopt_group_settings(optimizer: torch.optim.Optimizer, prebuilt: torch.optim.Optimizer) -> None:
