@@ -185,6 +185,24 @@ def test_peft_base_is_bit_identical_with_bf16_compute(tmp_path):
     assert any(not torch.equal(now[n], v) for n, v in adapters.items()), "the adapters did not train"
 
 
+def test_host_footprint_counts_the_kept_frozen_originals():
+    """The host footprint counts the fp32 original a frozen streamed parameter keeps beside its bf16 compute copy:
+    freezing a layer trades its fp32 master (aligned layout) for its kept originals (4 bytes per parameter)."""
+    from lazytrain_hf.streaming.store import layer_layout
+    from lazytrain_hf.training import planning
+
+    trainable = tiny_model("qwen3", seed=1)
+    frozen = tiny_model("qwen3", seed=1)
+    frozen.model.layers[1].requires_grad_(False)
+    params = list(trainable.model.layers[1].parameters())
+    master = layer_layout([(p.numel(), p.dtype, True) for p in params], torch.bfloat16).master_bytes
+    kept = 4 * sum(p.numel() for p in params)
+    a, b = (planning.host_footprint(None, m, compute_dtype=torch.bfloat16) for m in (trainable, frozen))
+    assert b.masters == a.masters - master + kept, (a.masters, b.masters, master, kept)
+    a, b = (planning.host_footprint(None, m) for m in (trainable, frozen))  # fp32 compute: nothing kept
+    assert b.masters == a.masters
+
+
 # ---------------------------------------------------------------------------------------------------- 4. optimizer_cls
 def test_optimizer_cls_and_kwargs_is_refused_while_streaming(tmp_path):
     with pytest.raises(ValueError, match=r"optimizer_cls_and_kwargs=\(SGD.*stream_enabled=False"):

@@ -216,13 +216,13 @@ def host_footprint(
             else:
                 fp.compute += lay.compute_bytes
                 fp.masters += lay.master_bytes
+                fp.grads += lay.grad_bytes
+                fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
             if not u.on_disk:
                 # Note: [A frozen parameter keeps its own values] (streaming/store.py): the original of a frozen
                 # parameter whose compute copy is rounded stays on the host
                 kept = [n * d.itemsize for (n, d, t), (_, cd, _) in zip(u.tensors, in_compute) if not t and cd != d]
                 fp.masters += sum(kept)
-                fp.grads += lay.grad_bytes
-                fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
             max_unit = max(max_unit, lay.compute_bytes)
             max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
             if cpu:

@@ -23,9 +23,10 @@ from .planning import unwrap_base
 
 logger = logging.get_logger(__name__)
 
-# Modules whose `forward` methods are the library's own: a class (or PEFT / accelerate wrapper) from anywhere else
-# that defines `forward` is the user's.
-LIBRARY_MODULES = ("transformers.", "peft.", "torch.")
+# Modules whose `forward` methods are the libraries' own (the model classes, PEFT's wrappers, TRL's fused-head patch
+# which without ``fused_lm_head`` calls the model's forward, accelerate's output casts): a `forward` from anywhere
+# else is the user's.
+LIBRARY_MODULES = ("transformers.", "peft.", "torch.", "trl.", "accelerate.")
 
 # TRL's trainers the streamed path supports (through `lazytrain_hf.LazySFTTrainer`), and their bases.
 TRL_SUPPORTED = ("SFTTrainer", "_BaseTrainer", "BaseTrainer")
@@ -121,7 +122,7 @@ def custom_forward(model: torch.nn.Module) -> str | None:
             continue
         seen.add(id(m))
         reason = None
-        if "forward" in vars(m):
+        if "forward" in vars(m) and not _defined_in(vars(m)["forward"]).startswith(LIBRARY_MODULES):
             reason = f"{type(m).__name__}.forward is replaced on the instance"
         owner = next((c for c in type(m).__mro__ if "forward" in vars(c)), None)
         if reason is None and owner is not None and not owner.__module__.startswith(LIBRARY_MODULES):
@@ -130,6 +131,13 @@ def custom_forward(model: torch.nn.Module) -> str | None:
             _say_full_logits(reason)
             return reason
     return None
+
+
+def _defined_in(fn: Any) -> str:
+    """The module a function was defined in, from its globals (``functools.wraps`` copies ``__module__`` from the
+    function it wraps, not the globals), or "" when unknown (a partial, a callable object)."""
+    fn = getattr(fn, "__func__", fn)
+    return getattr(fn, "__globals__", {}).get("__name__", "") + "."
 
 
 @functools.cache
