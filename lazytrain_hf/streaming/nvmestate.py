@@ -667,15 +667,18 @@ class NvmeState:
         """
         from .store import DISK_ATTR, DiskSource
 
+        # Note: [A frozen parameter keeps its own values] (store.py): a frozen parameter whose state file holds only
+        # its rounded compute copy gets its original back, in RAM or on disk where it was (its own DiskSource)
+        kept = ls.frozen_originals
         in_ram = [e for e in ls.entries if not e.from_disk]
         if in_ram:
-            vals = self.read_values([e.name for e in in_ram], restored=True)
+            vals = self.read_values([e.name for e in in_ram if e.name not in kept], restored=True)
             with torch.no_grad():
                 for e in in_ram:
-                    e.param.data = vals[e.name].to(e.orig_device)
+                    e.param.data = kept[e.name] if e.name in kept else vals[e.name].to(e.orig_device)
                     e.param.grad = None
         on_disk = [e for e in ls.entries if e.from_disk]
-        if on_disk and self._source is None:
+        if any(e.name not in kept for e in on_disk) and self._source is None:
             self._source = DiskSource(self._read_for_disk, f"state_nvme_dir {self.path}")
             weakref.finalize(self._source, _remove_dir, [u.fd for u in self.units.values()], self.path)
             self._handed_over = True
@@ -683,7 +686,7 @@ class NvmeState:
             p = e.param
             meta = torch.empty(e.shape, dtype=e.orig_dtype or e.dtype, device="meta")
             torch.utils.swap_tensors(p, torch.nn.Parameter(meta, requires_grad=p.requires_grad))
-            setattr(p, DISK_ATTR, (self._source, e.name))
+            setattr(p, DISK_ATTR, kept[e.name] if e.name in kept else (self._source, e.name))
             p.grad = None
 
     def _read_for_disk(self, names: list[str]) -> dict[str, torch.Tensor]:
