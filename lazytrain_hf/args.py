@@ -351,6 +351,23 @@ class LazyTrainingArguments(TrainingArguments):
                 raise ValueError(f"{name}={value!r} must be {what}; pass e.g. {name}={example!r}.")
             setattr(self, name, value)
 
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a missing attribute. TRL's trainers other than SFT (`DPOTrainer`, `RewardTrainer`,
+        `GRPOTrainer`, ...) read their own config's fields before `Trainer.__init__` could refuse these arguments
+        (Note: [LazyTrainingArguments need LazyTrainer]): such a read gets an error that says so, still an
+        `AttributeError` (``hasattr`` keeps working)."""
+        frame = sys._getframe(1)
+        if not name.startswith("_") and frame.f_globals.get("__name__", "").startswith("trl."):
+            owner = type(frame.f_locals.get("self", None)).__name__
+            raise AttributeError(
+                f"{owner} read args.{name}, which {type(self).__name__} does not have: TRL's {owner} needs its own "
+                "config and is not supported by LazyTrain's streaming path (its loss is not the causal-LM loss the "
+                "executor computes). Supported: lazytrain_hf.LazyTrainer (transformers.Trainer) and "
+                f"lazytrain_hf.LazySFTTrainer (trl.SFTTrainer). Train {owner} with its own TRL config (the model "
+                "in memory, stream_enabled=False)."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def get_process_log_level(self) -> int:
         """Note: [LazyTrainingArguments need LazyTrainer]
         `transformers.Trainer.__init__` asks its arguments for the log level first thing, which is the one point

@@ -313,12 +313,19 @@ def test_other_heads_are_refused_naming_the_supported_classes(tmp_path, head):
 @pytest.mark.parametrize("name", ["DPO", "Reward", "GRPO"])
 def test_trl_trainers_other_than_sft_are_refused(tmp_path, name):
     trl = pytest.importorskip("trl")
+    from datasets import Dataset
+
     trainer_cls, config_cls = getattr(trl, f"{name}Trainer"), getattr(trl, f"{name}Config")
+    pref = Dataset.from_dict({"prompt": ["a b", "c d"], "chosen": [" e", " f"], "rejected": [" g", " h"]})
     # TRL's config upgraded to LazyTrain arguments (what LazyTrainer does with it, too)
     with pytest.raises(ValueError, match=rf"{name}Config.*stream_enabled=True.*LazySFTTrainer.*stream_enabled=False"):
         LazyTrainingArguments.from_training_arguments(
             config_cls(output_dir=str(tmp_path / "cfg"), report_to=[], use_cpu=True)
         )
+    # TRL's trainer handed LazyTrain arguments: refused when it reads a field of its own config
+    with pytest.raises(AttributeError, match=rf"{name}Trainer read args.*LazySFTTrainer.*its own TRL config"):
+        kw = {"reward_funcs": lambda completions, **k: [0.0] * len(completions)} if name == "GRPO" else {}
+        trainer_cls(model=tiny_model("qwen3", seed=1), args=lazy_args(tmp_path, "direct"), train_dataset=pref, **kw)
     # a LazyTrainer mixed with TRL's trainer: refused before TRL's constructor runs
     mixed = type(f"Lazy{name}Trainer", (LazyTrainer, trainer_cls), {})
     with pytest.raises(ValueError, match=rf"{name}Trainer.*LazySFTTrainer.*stream_enabled=False"):
