@@ -48,10 +48,18 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel, _gated_attention, _inner_width, _rmsnorm_saved
-from .milp import _fits, evaluate_plan
 from .plan import LayerPlan, Plan
+from .search import max_feasible_batch
+from .stages import _fits, evaluate_plan
 
-BASELINES: tuple[str, ...] = ("megatrain", "all_recompute", "keep_all", "cpu_offload_inputs")
+BASELINES: tuple[str, ...] = (
+    "megatrain",
+    "megatrain_plus",
+    "slideformer",
+    "all_recompute",
+    "keep_all",
+    "cpu_offload_inputs",
+)
 MEGATRAIN_CHECKPOINT_EVERY = 4  # CPUMasterConfig.checkpoint_interval default (configs: memory.checkpoint_interval)
 MEGATRAIN_WEIGHT_CROSSINGS = 3  # forward, no_grad recompute, forward with grad (cpu_master.py backward loop)
 # Host bytes per parameter MegaTrain keeps (cpu_master.py at 919520f): the bf16 HF model (2), its pinned flat copy
@@ -301,6 +309,58 @@ def evaluate_megatrain(
 
 
 # ------------------------------------------------------------------------------------------------ plans
+def baseline_plan(name: str, cost_model: CostModel, *, checkpoint_every: int = MEGATRAIN_CHECKPOINT_EVERY) -> Plan:
+    """The decisions of baseline ``name`` (one of `BASELINES`) for ``cost_model``, without predictions (see
+    `make_baseline`). Needs only the layers of the cost model, not its config.
+
+    Raises:
+        ValueError: unknown ``name`` or a ``checkpoint_every`` that is not an int >= 1.
+    """
+    if name not in BASELINES:
+        raise ValueError(f"baseline={name!r} is not known; use one of {', '.join(BASELINES)}.")
+    K = _check_checkpoint_every(checkpoint_every)
+    cm = cost_model
+    L = cm.num_layers
+    policy, tier = {
+        "megatrain": ("recompute", "gpu"),
+        "megatrain_plus": ("recompute", "gpu"),
+        "slideformer": ("recompute", "cpu"),
+        "all_recompute": ("recompute", "gpu"),
+        "keep_all": ("keep", "gpu"),
+        "cpu_offload_inputs": ("recompute", "cpu"),
+    }[name]
+
+    def tier_of(i: int) -> str:
+        # SlideFormer's last decoder layer keeps its checkpoint on the device (`SlidingCheckpoint(is_last_layer)`):
+        # its backward follows its forward with only the head between
+        return "gpu" if name == "slideformer" and i == L - 1 else tier
+
+    layers = [
+        LayerPlan(
+            index=i,
+            kind=lc.kind,
+            policy=policy,
+            input_tier=tier_of(i),
+            fetch_fwd_ahead=1,
+            fetch_bwd_ahead=1,
+            reload_ahead=1,
+        )
+        for i, lc in enumerate(cm.layers)
+    ]
+    return Plan(
+        layers=layers,
+        micro_batch_size=cm.micro_batch_size,
+        seq_len=cm.seq_len,
+        loss_chunk_tokens=cm.loss_chunk_tokens,
+        source=f"baseline:{name}",
+        hardware=cm.hardware.name,
+        model=cm.model_name,
+        checkpoint_every=K if name == "megatrain" else 1,
+        # MegaTrain and MegaTrain-Plus clip and step after backward with the device idle (examples/sft/train.py)
+        optimizer_overlap=name not in ("megatrain", "megatrain_plus"),
+    )
+
+
 def make_baseline(name: str, cost_model: CostModel, *, checkpoint_every: int = MEGATRAIN_CHECKPOINT_EVERY) -> Plan:
     """The baseline plan ``name`` (one of `BASELINES`) for ``cost_model``.
 
@@ -314,42 +374,11 @@ def make_baseline(name: str, cost_model: CostModel, *, checkpoint_every: int = M
     Raises:
         ValueError: unknown ``name`` or a ``checkpoint_every`` that is not an int >= 1.
     """
-    if name not in BASELINES:
-        raise ValueError(f"baseline={name!r} is not known; use one of {', '.join(BASELINES)}.")
-    K = _check_checkpoint_every(checkpoint_every)
     cm = cost_model
-    policy, tier = {
-        "megatrain": ("recompute", "gpu"),
-        "all_recompute": ("recompute", "gpu"),
-        "keep_all": ("keep", "gpu"),
-        "cpu_offload_inputs": ("recompute", "cpu"),
-    }[name]
-    layers = [
-        LayerPlan(
-            index=i,
-            kind=lc.kind,
-            policy=policy,
-            input_tier=tier,
-            fetch_fwd_ahead=1,
-            fetch_bwd_ahead=1,
-            reload_ahead=1,
-        )
-        for i, lc in enumerate(cm.layers)
-    ]
-    plan = Plan(
-        layers=layers,
-        micro_batch_size=cm.micro_batch_size,
-        seq_len=cm.seq_len,
-        loss_chunk_tokens=cm.loss_chunk_tokens,
-        source=f"baseline:{name}",
-        hardware=cm.hardware.name,
-        model=cm.model_name,
-        checkpoint_every=K if name == "megatrain" else 1,
-        optimizer_overlap=name != "megatrain",
-    )
+    plan = baseline_plan(name, cm, checkpoint_every=checkpoint_every)
     plan.predicted = evaluate_plan(plan, cm).predictions()
     if name == "megatrain":
-        plan.predicted.update(evaluate_megatrain(cm, K).predictions())
+        plan.predicted.update(evaluate_megatrain(cm, plan.checkpoint_every).predictions())
     return plan
 
 
@@ -372,7 +401,6 @@ def max_batch_size(
     checkpoint_every: int = MEGATRAIN_CHECKPOINT_EVERY,
 ) -> int:
     """Largest micro-batch size at which baseline ``name`` fits (0: not even 1)."""
-    from .milp import max_feasible_batch
 
     def ok(b: int) -> bool:
         cm = cost_model.with_batch(b)
