@@ -163,9 +163,12 @@ def test_megatrain_predictions_keys():
 
 
 # ---------------------------------------------------------------------------------------------------------- executor
-def test_megatrain_plan_runs_on_our_executor():
-    """The plan made from a tiny qwen3 config trains two steps on our executor (block recomputation, K=4 over 6
-    layers): losses equal plain autograd bit for bit, gradients accumulate to twice the reference's."""
+@pytest.mark.parametrize("name", ["megatrain", "megatrain_plus", "slideformer"])
+def test_baseline_plan_runs_on_our_executor(name):
+    """The plan made from a tiny qwen3 config trains two steps on our executor (megatrain: block recomputation, K=4
+    over 6 layers; megatrain_plus: every layer recomputed from its input on the device; slideformer: every input in
+    pinned host memory but the last layer's): losses equal plain autograd bit for bit, gradients accumulate to twice
+    the reference's."""
     n, B, T = 6, 2, 16
     ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(3))
     ref = tiny_model("qwen3", num_hidden_layers=n).train()
@@ -176,9 +179,13 @@ def test_megatrain_plan_runs_on_our_executor():
     model = tiny_model("qwen3", num_hidden_layers=n).train()
     cm = CostModel.from_config(model.config, "cpu", seq_len=T, micro_batch_size=B, dtype_bytes=4,
                                attn_implementation=model.config._attn_implementation)  # fmt: skip
-    plan = baselines.make_baseline("megatrain", cm)
-    assert plan.checkpoint_every == 4 and plan.num_layers == len(models.layer_kinds(model))
-    assert plan.predicted["tflops_6n"] > 0
+    plan = baselines.make_baseline(name, cm)
+    assert plan.num_layers == len(models.layer_kinds(model))
+    if name == "megatrain":
+        assert plan.checkpoint_every == 4 and plan.predicted["tflops_6n"] > 0
+    elif name == "slideformer":
+        assert [lp.tier for lp in plan.layers] == ["cpu"] * (n - 1) + ["gpu"]
+    assert plan.policies == ["recompute"] * n
     handle = attach(model, plan=plan, device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")

@@ -32,6 +32,7 @@ from .stages import (
     _optimizer_finish_times,
     _option_of,
     _reload_stages,
+    evaluate_plan,
 )
 
 GIB = 2**30
@@ -358,11 +359,14 @@ def _extract(model: _Model, cm: CostModel, source: str) -> Plan:
     return _make_plan(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K)
 
 
-def _warm_start(model: _Model, plan: Plan, lookahead: int) -> bool:
+def _warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None = None) -> bool:
     """Set initial values from ``plan`` when it is a point of this model; returns whether it was.
 
-    ``plan.optimizer_overlap`` is not a decision: the model's plans overlap the optimizer with the next forward,
-    which is never slower (`evaluate_plan`), so a plan without the overlap starts the model at that plan's decisions.
+    With ``cm`` the stage times and the tail are set too (from `evaluate_plan`), so the start is a complete solution:
+    HiGHS takes a complete start as its incumbent at once, a partial one only after it solved the LP that completes
+    it (which a time limit can cut short). ``plan.optimizer_overlap`` is not a decision: the model's plans overlap the
+    optimizer with the next forward, which is never slower (`evaluate_plan`), so a plan without the overlap starts
+    the model at that plan's decisions.
     """
     L = len(model.opt)
     K = plan.checkpoint_every
@@ -395,6 +399,11 @@ def _warm_start(model: _Model, plan: Plan, lookahead: int) -> bool:
             values.append((y, 1.0 if (oo == o and a == lp.reload_ahead and K == 1) else 0.0))
         if K == 1 and _offloaded_bytes_needed(o) and (o, lp.reload_ahead) not in model.yR[i]:
             return False
+    if cm is not None:
+        overlapped = Plan.from_dict({**plan.to_dict(), "optimizer_overlap": True})
+        ev = evaluate_plan(overlapped, cm)
+        values += list(zip(model.T, ev.stage_times))
+        values.append((model.T_tail, ev.tail_s))
     for v, x in values:
         v.setInitialValue(x)
     return True

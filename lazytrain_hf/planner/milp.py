@@ -158,7 +158,7 @@ def solve(
     candidates = start_candidates(
         cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, (warm_start, coarse, heuristic)
     )
-    start = next((c for c in candidates if _warm_start(model, c, lookahead)), None)
+    start = next((c for c in candidates if _warm_start(model, c, lookahead, cm)), None)
     rep = _solve(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
     rep["seconds"] = time.perf_counter() - t_start
     if rep["status"] == "infeasible" and start is None:
