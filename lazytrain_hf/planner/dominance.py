@@ -24,8 +24,14 @@ from .simulate import simulate
 from .stages import _fits, evaluate_plan
 from .zoo import get_config
 
-# Relative slack of the step-time comparison: the simulator's float sums in another order than the stage model's.
-STEP_RTOL = 1e-9
+# Relative slack of the simulated step-time comparison. The MILP minimises the stage model's step time, exactly
+# (STAGE_RTOL: float summation order only); the simulator replays the executor's schedule with its real dependencies
+# and agrees with the stage model only within a tolerance (the planner's target is 5%, see PLANNER.md), so a plan
+# the stage model ranks first can replay up to that disagreement slower than a baseline. Measured over 46 random
+# points the worst was 0.48% (qwen2.5-1.5b, h800, gpu tier only: resident layers whose uploads the simulator queues
+# behind the optimizer differently), hence 1%.
+SIM_RTOL = 0.01
+STAGE_RTOL = 1e-9
 
 
 @dataclass
@@ -36,6 +42,8 @@ class DominanceRecord:
         max_batch: largest micro-batch per plan (``"milp"`` and each baseline) whose simulated peak fits the budget.
         common_batch: the batch the step times are compared at (the smallest baseline maximum, at least 1).
         step_s: simulated step time per plan at ``common_batch`` (``None``: does not fit there).
+        stage_s: the stage model's step time of the same plans (the MILP's objective; every plan with the optimizer
+            overlapping the next forward, as the MILP's, so the comparison is of the decisions the MILP makes).
         milp_plans: the MILP's plan at ``common_batch`` and at the largest baseline batch (``None``: none found).
     """
 
@@ -43,22 +51,32 @@ class DominanceRecord:
     max_batch: dict[str, int] = field(default_factory=dict)
     common_batch: int = 0
     step_s: dict[str, float | None] = field(default_factory=dict)
+    stage_s: dict[str, float | None] = field(default_factory=dict)
     milp_plans: dict[str, Plan | None] = field(default_factory=dict)
 
-    def violations(self) -> list[str]:
+    def violations(self, sim_rtol: float = SIM_RTOL) -> list[str]:
+        """What breaks dominance: a smaller largest batch, a slower stage-model step (exact), a slower simulated step
+        (beyond ``sim_rtol``) at the common batch, or no MILP plan where a baseline fits."""
         out = []
         for name, b in self.max_batch.items():
             if name != "milp" and b > self.max_batch.get("milp", 0):
                 out.append(f"max batch: milp {self.max_batch.get('milp', 0)} < {name} {b}")
-        t_milp = self.step_s.get("milp")
-        for name, t in self.step_s.items():
-            if name == "milp" or t is None:
-                continue
-            if t_milp is None:
-                out.append(f"step at batch {self.common_batch}: milp found no plan, {name} {t:.6g} s")
-            elif t_milp > t * (1 + STEP_RTOL):
-                out.append(f"step at batch {self.common_batch}: milp {t_milp:.6g} s > {name} {t:.6g} s")
+        for what, times, rtol in (("simulated", self.step_s, sim_rtol), ("stage-model", self.stage_s, STAGE_RTOL)):
+            t_milp = times.get("milp")
+            for name, t in times.items():
+                if name == "milp" or t is None:
+                    continue
+                if t_milp is None:
+                    out.append(f"{what} step at batch {self.common_batch}: milp found no plan, {name} {t:.6g} s")
+                elif t_milp > t * (1 + rtol):
+                    out.append(f"{what} step at batch {self.common_batch}: milp {t_milp:.6g} s > {name} {t:.6g} s")
         return out
+
+    def worst_simulated_ratio(self) -> float | None:
+        """The MILP's simulated step over the fastest fitting baseline's at the common batch (``None``: no pair)."""
+        t = self.step_s.get("milp")
+        base = [v for k, v in self.step_s.items() if k != "milp" and v is not None]
+        return t / min(base) if t is not None and base else None
 
 
 def _sim_fits(
@@ -140,9 +158,13 @@ def dominance_record(
         plan = rec.milp_plans["common"] = milp_at(rec.common_batch)
         ok, t = _sim_fits(plan, cm, gpu, host, memory) if plan is not None else (False, 0.0)
         rec.step_s["milp"] = t if ok else None
+        rec.stage_s["milp"] = evaluate_plan(plan, cm).step_time_s if ok else None
         for n in names:
-            ok, t = _sim_fits(baseline_plan(n, cm), cm, gpu, host, memory)
+            b = baseline_plan(n, cm)
+            ok, t = _sim_fits(b, cm, gpu, host, memory)
             rec.step_s[n] = t if ok else None
+            b.optimizer_overlap = True
+            rec.stage_s[n] = evaluate_plan(b, cm).step_time_s if ok else None
     rec.max_batch["milp"] = 0
     if b_top:
         plan = rec.milp_plans["top"] = milp_at(b_top)

@@ -395,9 +395,12 @@ def _warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None 
             return False
         for a, y in model.yB[i].items():
             values.append((y, 1.0 if (a == lp.fetch_bwd_ahead and not lp.resident) else 0.0))
+        # a reload is issued no earlier than its offload allows (clamped as `evaluate_plan` and the executor do)
+        legal = _reload_stages(L, i, o, 2 * L) if _offloaded_bytes_needed(o) else []
+        aR = min(lp.reload_ahead, max(legal)) if legal else lp.reload_ahead
         for (oo, a), y in model.yR[i].items():
-            values.append((y, 1.0 if (oo == o and a == lp.reload_ahead and K == 1) else 0.0))
-        if K == 1 and _offloaded_bytes_needed(o) and (o, lp.reload_ahead) not in model.yR[i]:
+            values.append((y, 1.0 if (oo == o and a == aR and K == 1) else 0.0))
+        if K == 1 and _offloaded_bytes_needed(o) and (o, aR) not in model.yR[i]:
             return False
     if cm is not None:
         overlapped = Plan.from_dict({**plan.to_dict(), "optimizer_overlap": True})
