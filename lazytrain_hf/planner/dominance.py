@@ -26,11 +26,11 @@ from .zoo import get_config
 
 # Relative slack of the simulated step-time comparison. The MILP minimises the stage model's step time, exactly
 # (STAGE_RTOL: float summation order only); the simulator replays the executor's schedule with its real dependencies
-# and agrees with the stage model only within a tolerance (the planner's target is 5%, see PLANNER.md), so a plan
-# the stage model ranks first can replay up to that disagreement slower than a baseline. Measured over 46 random
-# points the worst was 0.48% (qwen2.5-1.5b, h800, gpu tier only: resident layers whose uploads the simulator queues
-# behind the optimizer differently), hence 1%.
-SIM_RTOL = 0.01
+# and agrees with the stage model only within a tolerance (the planner's target is 5%, PLANNER.md), so a plan the
+# stage model ranks first can replay up to that disagreement slower than a baseline. Worst seen (bench_dominance, 120
+# rows, 2026-12-02): the MILP's plan replayed 3.7% slower than slideformer's (qwen3.6-27b, rtx3090, seq 4096, budget
+# 50%, gpu + cpu tiers) where the stage model has it 5.3% faster; 111 of 116 ratios agree within 0.5%.
+SIM_RTOL = 0.05
 STAGE_RTOL = 1e-9
 
 

@@ -7,10 +7,18 @@ loads are written as the same sums `stages.evaluate_plan` takes for a fixed plan
 that plan's evaluated step time.
 
 The plan space holds block checkpointing too (`Plan.checkpoint_every = K > 1`, MegaTrain's scheme as our executor
-runs it: the input of every K-th layer kept on the device, each block recomputed as a whole at its top layer's
-backward stage): one binary ``blk[K]`` per block size in `BLOCK_SIZES`, which replaces every layer's per-layer
-option. So each baseline's plan (`baselines.make_baseline`) is a point of the model (`_warm_start` sets it). Does not run or choose a solver (`solver.py` does), does not evaluate plans,
-imports pulp only inside its functions and never torch, and does not know the runtime.
+runs it: the input of every K-th layer kept on the device, each block recomputed as a whole, with grad, at its top
+layer's backward stage): one binary ``blk[K]`` per block size in `BLOCK_SIZES`, which replaces every layer's
+per-layer option. So each baseline's plan (`baselines.make_baseline`) is a point of the model (`_warm_start` sets it,
+stage times included, from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports pulp
+only inside its functions and never torch, and does not know the runtime.
+
+Note: [Block checkpointing as our executor runs it saves memory only when L / K > A / x]
+Our executor holds the saved tensors of all K layers of a block from its recomputation to their backward (MegaTrain
+holds one layer's graph and K hidden states, recomputing each layer a third time). Against recomputing every layer
+from its own input it saves ``(L - L/K) x`` of inputs and adds ``(K - 1) A``; with ``A / x`` between 21 and 48 for the
+zoo models (`LayerCost.saved_bytes / input_bytes`) the option is the least-memory plan almost nowhere, and never the
+fastest: it is in the model so that every baseline is a point of it.
 """
 
 from __future__ import annotations

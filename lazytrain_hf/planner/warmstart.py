@@ -3,9 +3,9 @@
 Owns: `start_candidates` (the plans a solve may start from, best first: the caller's warm start, the coarse
 solve, the heuristic plan and every fixed baseline of `baselines.BASELINES` that fits the budgets) and
 `better_of` (the solver's plan, or the start when the solver's plan evaluates slower: a solve never returns worse
-than where it started). Plans are compared by `stages.evaluate_plan`, the MILP's own objective (the start reaches HiGHS through
-`highs_start.highs_command`). Imports neither pulp nor torch, and knows neither the formulation's variables nor the
-runtime.
+than where it started). Plans are compared by `stages.evaluate_plan`, the MILP's own objective (the start reaches
+HiGHS through `highs_start.highs_command`). Imports neither pulp nor torch, and knows neither the formulation's
+variables nor the runtime.
 """
 
 from __future__ import annotations
