@@ -74,7 +74,7 @@ def main() -> None:
                         # the strongest baseline: the largest batch, then the fastest (simulated) at that batch
                         cmb = CostModel.from_config(get_config(model), hw, seq, max(b_best, 1))
                         step = {k: simulate(baseline_plan(k, cmb), cmb).step_time_s for k in base if base[k] == b_best}
-                        best = min(step, key=step.get)
+                        best = min(step, key=step.get) if b_best else "-"
                         cells = (
                             f"{model:<14} {hw:<8} {seq:>5} {budget:>4.2f} {tiers:<7} {rec.max_batch['milp']:>6} "
                             f"{base[best]:>6} {best:<18}"
@@ -89,7 +89,8 @@ def main() -> None:
                             speedups.append(sp)
                             cells += f" {rec.common_batch:>4} {fast:<18} {sp:>6.3f}x {st:>5.3f}x"
                         else:
-                            cells += f" {'-':>4} {'nothing fits':<18} {'-':>7} {'-':>6}"
+                            what = "milp plan misfits" if fit else "nothing fits"
+                            cells += f" {rec.common_batch or '-':>4} {what:<18} {'-':>7} {'-':>6}"
                         top = rec.milp_plans.get("top")
                         if b_best and top is not None and rec.max_batch["milp"] >= b_best:
                             at_best = step[best] / simulate(top, cmb).step_time_s

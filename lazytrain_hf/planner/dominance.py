@@ -28,7 +28,7 @@ from .zoo import get_config
 # (STAGE_RTOL: float summation order only); the simulator replays the executor's schedule with its real dependencies
 # and agrees with the stage model only within a tolerance (the planner's target is 5%, PLANNER.md), so a plan the
 # stage model ranks first can replay up to that disagreement slower than a baseline. Worst seen (bench_dominance, 120
-# rows, 2026-12-02): the MILP's plan replayed 3.7% slower than slideformer's (qwen3.6-27b, rtx3090, seq 4096, budget
+# rows, 2026-12-02): the MILP's plan replayed 3.8% slower than slideformer's (qwen3.6-27b, rtx3090, seq 4096, budget
 # 50%, gpu + cpu tiers) where the stage model has it 5.3% faster; 111 of 116 ratios agree within 0.5%.
 SIM_RTOL = 0.05
 STAGE_RTOL = 1e-9
@@ -67,7 +67,8 @@ class DominanceRecord:
                 if name == "milp" or t is None:
                     continue
                 if t_milp is None:
-                    out.append(f"{what} step at batch {self.common_batch}: milp found no plan, {name} {t:.6g} s")
+                    why = "found no plan" if self.milp_plans.get("common") is None else "its plan does not fit"
+                    out.append(f"{what} step at batch {self.common_batch}: milp {why}, {name} {t:.6g} s")
                 elif t_milp > t * (1 + rtol):
                     out.append(f"{what} step at batch {self.common_batch}: milp {t_milp:.6g} s > {name} {t:.6g} s")
         return out
