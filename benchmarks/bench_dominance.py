@@ -77,10 +77,10 @@ def main() -> None:
                         best = min(step, key=step.get) if b_best else "-"
                         cells = (
                             f"{model:<14} {hw:<8} {seq:>5} {budget:>4.2f} {tiers:<7} {rec.max_batch['milp']:>6} "
-                            f"{base[best]:>6} {best:<18}"
+                            f"{b_best:>6} {best:<18}"
                         )
-                        if base[best]:
-                            batch_gain.append(rec.max_batch["milp"] / base[best])
+                        if b_best:
+                            batch_gain.append(rec.max_batch["milp"] / b_best)
                         fit = {k: v for k, v in rec.step_s.items() if k != "milp" and v is not None}
                         if rec.step_s.get("milp") and fit:
                             fast = min(fit, key=fit.get)
