@@ -158,7 +158,7 @@ def test_milp_dominates_every_baseline_large(model, hw, seq, budget, tiers):
 
 @pytest.mark.xfail(
     strict=True,
-    reason="the stage model charges one layer's offloaded saved tensors less than the simulator at the head stage "
+    reason="at the head stage the simulator holds one layer's saved bytes more than the stage model charges "
     "(issue 26 part 2: one memory model of the executor)",
 )
 def test_stage_model_and_simulator_agree_on_offloaded_plan_memory():
