@@ -17,13 +17,14 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .activations.nvme import check_dir as check_nvme_dir
+from .planner.baselines import BASELINES
 from .planner.plan import INPUT_TIERS
 from .units import parse_bytes
 
 STATE_NVME_LAYERS = ("auto", "all")  # state_nvme_layers
 
 PLAN_FILE = "lazytrain_plan.json"  # the plan next to a checkpoint (also written to output_dir)
-PLANNER_POLICIES = ("milp", "megatrain", "keep_all", "all_recompute", "cpu_offload_inputs", "default")
+PLANNER_POLICIES = ("milp", *BASELINES, "default")  # a baseline name plans with `baselines.make_baseline`
 SOLVERS = ("auto", "cbc", "highs")
 
 
@@ -45,7 +46,8 @@ class LazyTrainingArguments(TrainingArguments):
     > Planner (`lazytrain_hf.planner`)
 
     planner_policy (`str`, defaults to `"milp"`): `"milp"` solves the plan; a baseline name (`"megatrain"`,
-        `"keep_all"`, `"all_recompute"`, `"cpu_offload_inputs"`) or `"default"` uses that fixed plan.
+        `"megatrain_plus"`, `"slideformer"`, `"keep_all"`, `"all_recompute"`, `"cpu_offload_inputs"`) or `"default"`
+        uses that fixed plan.
     planner_hardware (`str`, defaults to `"auto"`): bundled profile name (`h800`, `h200`, `a100-80g`, `rtx3090`,
         `rtx4090`, `h100`, `cpu`), a path to a measured profile JSON, or `"auto"` (measure this machine).
     planner_gpu_budget (`int` or `str`, *optional*): device memory the plan may use, e.g. `"70GiB"`; default: the
