@@ -157,8 +157,8 @@ class ActivationEngine:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
         if pin_memory is None:
-            pin_memory = device.type == "cuda"
-        if pin_memory and not torch.cuda.is_available():
+            pin_memory = streams.pin_host_memory(device)
+        if pin_memory and not (torch.cuda.is_available() or streams.simulate_async()):
             raise ValueError("pin_memory=True needs CUDA (page-locked memory); pass pin_memory=None or False on CPU.")
         if param_packer is not None and not isinstance(param_packer, ParamPacker):
             raise TypeError(

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import streams
+from .. import pinned, streams
 from ..units import format_bytes
 
 # Note: [Pool buffers are keyed by rounded size]
@@ -55,7 +55,7 @@ class HostBufferPool:
             if event is not None:
                 event.synchronize()
             return buf
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        buf = pinned.cached_empty(size, torch.uint8) if self.pin_memory else torch.empty(size, dtype=torch.uint8)
         with self._lock:
             self.allocated_bytes += size
             self.num_allocations += 1

@@ -90,7 +90,8 @@ from typing import Any
 
 import torch
 
-from ..streams import lanes_for, poison_
+from .. import pinned
+from ..streams import lanes_for, pin_host_memory, poison_
 from .trace import Trace
 
 # Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
@@ -148,7 +149,7 @@ class TransferEngine:
         self.fetch_count = 0
         self.fetch_bytes = 0
         self.trace = Trace(device=self.device)
-        self._staging = _StagingPool(pin=self.is_cuda)
+        self._staging = _StagingPool(pin=pin_host_memory(self.device))
 
     def __repr__(self) -> str:
         pools = ", ".join(f"{k}: {len(v)} x {self._slot_bytes[k]}B" for k, v in self.pools.items())
@@ -418,7 +419,7 @@ class _StagingPool:
             if free:
                 return free.pop()
             self.allocated_bytes += cap * dtype.itemsize
-        return torch.empty(cap, dtype=dtype, pin_memory=self.pin)
+        return pinned.cached_empty(cap, dtype) if self.pin else torch.empty(cap, dtype=dtype)
 
     def put(self, buf: torch.Tensor) -> None:
         """Hand back a buffer from `get` (its last reader is done)."""

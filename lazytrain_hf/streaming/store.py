@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .. import pinned
+
 # Every parameter starts at a multiple of 256 bytes inside the flat buffers and the device slots: enough for any
 # dtype view (`Tensor.view(dtype)` needs itemsize alignment), for vectorised CPU kernels (64 B) and for CUDA
 # (cudaMalloc gives 256 B alignment; some kernels assume 16 B).
@@ -119,15 +121,11 @@ class _Registered:
     dropped: the buffer itself goes with it)."""
 
     def __init__(self, t: torch.Tensor):
-        self.ptr = t.data_ptr()
-        self.nbytes = t.numel() * t.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 1)  # cudaHostRegisterPortable, as torch
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {int(err)}).")
+        self.reg = pinned.REGISTRY.register(t, "a host store buffer")
 
     def __del__(self):
         try:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
+            pinned.REGISTRY.unregister(self.reg)
         except Exception:  # interpreter shutdown
             pass
 

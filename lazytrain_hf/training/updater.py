@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from .. import pinned
 from ..streams import SimDelay, simulate_async
 
 
@@ -205,7 +206,7 @@ class LayerwiseUpdater:
             return None
         bufs = self._res_bufs.get(name)
         if bufs is None or bufs[0].shape != g.shape or bufs[0].dtype != g.dtype:
-            staging = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.handle.engine.is_cuda)
+            staging = pinned.cached_empty(g.numel(), g.dtype).view(g.shape)
             host32 = staging if g.dtype == torch.float32 else torch.empty(g.shape, dtype=torch.float32)
             bufs = self._res_bufs[name] = (staging, host32)
         staging, host32 = bufs
@@ -235,7 +236,7 @@ class LayerwiseUpdater:
             return None
         entry = self._up_bufs.get(name)
         if entry is None or entry[0].shape != p.shape or entry[0].dtype != p.dtype:
-            entry = self._up_bufs[name] = [torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda), None]
+            entry = self._up_bufs[name] = [pinned.cached_empty(p.numel(), p.dtype).view(p.shape), None]
         buf, last = entry
         if last is not None:
             if threading.current_thread() is threading.main_thread():

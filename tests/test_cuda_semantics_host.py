@@ -1,0 +1,213 @@
+"""CUDA's host-memory rules as the simulated engine imitates them (lazytrain_hf/pinned.py, lazytrain_hf/streams.py), and
+the executor obeying them: registered ranges, pinned lane copies, weakly held copy sources, exact pinned accounting,
+the state on NVMe's windows and write-back order."""
+
+from __future__ import annotations
+
+import gc
+import time
+
+import pytest
+import torch
+from conftest import tiny_model
+
+from lazytrain_hf import pinned, streams
+from lazytrain_hf.planner.plan import Plan
+from lazytrain_hf.streaming import attach
+from lazytrain_hf.streaming import engine as streaming_engine
+
+
+@pytest.fixture
+def sim(monkeypatch):
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC", "1")
+
+
+# ---------------------------------------------------------------------------------------------- the registry itself
+def test_registry_refuses_overlaps_and_reports_buffers_freed_while_registered(sim):
+    """Overlapping registrations fail with 712, disjoint ranges on one page do not (as the driver), and a registered
+    buffer freed before it was unregistered is reported by the next registry call."""
+    reg = pinned.REGISTRY
+    base = torch.zeros(4096, dtype=torch.uint8)
+    a = reg.register(base[:100], "a")
+    b = reg.register(base[100:200], "b")  # same page, disjoint bytes: allowed
+    with pytest.raises(pinned.HostRegisterError, match="712.*registered for [ab]"):
+        reg.register(base[50:150], "c")
+    reg.unregister(a)
+    reg.unregister(b)
+    t = torch.zeros(1000)
+    reg.register(t, "the freed one")
+    del t
+    with pytest.raises(pinned.HostRegisterError, match="the freed one was freed while still registered"):
+        reg.check(reset=True)
+    keep: list = []
+    x = pinned.pinned_empty(300, torch.float32, True, keep, "a block")
+    assert reg.is_pinned(x[10:20]) and x.data_ptr() % pinned.PAGE == 0 and torch.equal(x, torch.zeros(300))
+    assert not reg.is_pinned(torch.zeros(300))
+    before = reg.registered_bytes
+    keep.clear()  # released: unregistered first, then freed (no violation)
+    assert reg.registered_bytes == before - 1200
+    reg.check()
+
+
+def test_caching_host_allocator_rounds_up_and_keeps():
+    """Note: [The caching host allocator rounds and keeps]: a block is accounted at its power of two, a freed block is
+    kept and reused for the same size class, never returned."""
+    reg = pinned.REGISTRY
+    c0 = reg.cached_bytes
+    t = pinned.cached_empty(300, torch.float32)  # 1200 B -> 2048 B
+    assert reg.cached_bytes - c0 == 2048 and reg.is_pinned(t)
+    del t
+    u = pinned.cached_empty(257, torch.float32)  # same size class: reused
+    assert reg.cached_bytes - c0 == 2048
+    del u
+
+
+# ------------------------------------------------------------------------------------------------- the lanes
+def test_lane_copies_need_pinned_host_memory(sim):
+    """Note: [Simulated copies need pinned host memory]: the host side of an h2d / d2h copy must be pinned."""
+    lanes = streams.Lanes(torch.device("cpu"), ("h2d", "d2h"), "test")
+    try:
+        keep: list = []
+        host = pinned.pinned_empty(64, torch.float32, True, keep)
+        dev = torch.arange(64.0)
+        lanes["d2h"].copy(host, dev).synchronize()
+        assert torch.equal(host, dev)
+        with pytest.raises(pinned.PageableCopyError, match="d2h copy"):
+            lanes["d2h"].copy(torch.empty(64), dev)
+        with pytest.raises(pinned.PageableCopyError, match="h2d copy"):
+            lanes["h2d"].copy(torch.empty(64), torch.ones(64))
+        lanes["h2d"].copy(dev, host).synchronize()
+    finally:
+        lanes.close()
+
+
+def test_lane_copy_sources_are_held_weakly(sim):
+    """Note: [Simulated copies hold their sources weakly]: a source dropped before its copy ran raises; one passed to
+    `hold` (record_stream) is kept until the copy ran."""
+    lanes = streams.Lanes(torch.device("cpu"), ("d2h",), "test")
+    lane = lanes["d2h"]
+    try:
+        keep: list = []
+        host = pinned.pinned_empty(64, torch.float32, True, keep)
+        gate = streams.SimEvent()
+        src = torch.arange(64.0)
+        ev = lane.copy(host, src, after=(gate,))
+        del src  # freed before the copy ran
+        gate._finish()
+        with pytest.raises(RuntimeError, match="simulated asynchronous copy failed"):
+            ev.synchronize()
+        gate = streams.SimEvent()
+        src = torch.arange(64.0)
+        lane.hold(src)
+        ev = lane.copy(host, src, after=(gate,))
+        del src
+        gate._finish()
+        ev.synchronize()
+        assert torch.equal(host, torch.arange(64.0))
+    finally:
+        lanes.close()
+
+
+# ---------------------------------------------------------------------------------------------- the executor
+def _batch(model, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
+
+
+def _grads(tmp_path, state_nvme: list[int], ga: int, **model_kw) -> dict[str, torch.Tensor]:
+    """Host gradients after ``ga`` micro-batches (accumulated) with the given units' state on NVMe."""
+    model = tiny_model("qwen3", **model_kw)
+    L = model.config.num_hidden_layers
+    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=state_nvme)
+    handle = attach(model, plan, "cpu", state_nvme_dir=str(tmp_path) if state_nvme else None)
+    try:
+        handle.zero_grad()
+        for k in range(ga):
+            handle.last_micro_batch = k == ga - 1
+            ids = _batch(model, k)
+            out = model(input_ids=ids, labels=ids)
+            out.loss.backward()
+        return {n: g.clone() for n, g in handle.grads().items()}
+    finally:
+        handle.remove()
+
+
+def test_state_nvme_units_unregister_before_their_buffers_go(sim, tmp_path):
+    """Defect: a unit whose state moves to NVMe had its registered (page-locked) store buffers freed while still
+    registered (pages left locked; the next unit's buffer at that address fails cudaHostRegister with 712). Now no
+    registration outlives its buffer, and no store buffer of such a unit stays registered."""
+    model = tiny_model("qwen3")
+    L = model.config.num_hidden_layers
+    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=list(range(L)))
+    before = pinned.REGISTRY.registered_bytes
+    handle = attach(model, plan, "cpu", state_nvme_dir=str(tmp_path))
+    try:
+        pinned.REGISTRY.check()
+        store = [r for r in pinned.REGISTRY._ranges.values() if "store" in r.what]
+        assert store == [], store
+        assert pinned.REGISTRY.registered_bytes - before <= handle.nvme_state.window_bytes()
+    finally:
+        handle.remove()
+    pinned.REGISTRY.check()
+
+
+def test_state_nvme_windows_are_pinned(sim, tmp_path):
+    """Defect: the state on NVMe's fetch and gradient windows were pageable, so the "asynchronous" copies into and out
+    of them were synchronous on CUDA. Under the simulation a pageable lane copy raises; the gradients equal the state
+    in RAM bit for bit."""
+    ram = _grads(tmp_path / "ram", [], 1)
+    disk = _grads(tmp_path, [0, 1, 2, 3], 1)
+    assert ram.keys() == disk.keys()
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+
+
+def test_state_nvme_write_back_precedes_the_next_micro_batch(sim, tmp_path, monkeypatch):
+    """Defect: with the state on NVMe and gradient accumulation nothing ordered micro-batch k+1's `open_grad`
+    (reading the accumulated gradient) after micro-batch k's write-back on the host worker. With every worker job
+    delayed 0.5 s the worker wrote into the next micro-batch's window (or a poisoned view). Gradients now equal the
+    state in RAM bit for bit."""
+    submit = streaming_engine._HostWorker.submit
+
+    def slow(self, fn):
+        def late() -> None:
+            time.sleep(0.5)
+            fn()
+
+        submit(self, late)
+
+    monkeypatch.setattr(streaming_engine._HostWorker, "submit", slow)
+    ram = _grads(tmp_path / "ram", [], 2)
+    disk = _grads(tmp_path, [0, 1, 2, 3], 2)
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+
+
+def test_pinned_buffers_are_registered_at_their_exact_size(sim, tmp_path):
+    """Defect: the activation pool and gradient staging took their pinned memory from the caching host allocator,
+    rounded to powers of two and never returned (up to 2x the plan). Now nothing comes from it, and the registered
+    bytes are exactly what the pools and the store hold."""
+    from lazytrain_hf.planner.plan import LayerPlan
+
+    model = tiny_model("qwen3", hidden_size=40, intermediate_size=72)  # sizes that are not powers of two
+    L = model.config.num_hidden_layers
+    layers = [LayerPlan(index=i, kind="full_attention", policy="offload_cpu") for i in range(L)]
+    plan = Plan(layers=layers, micro_batch_size=2, seq_len=12)
+    c0, r0 = pinned.REGISTRY.cached_bytes, pinned.REGISTRY.registered_bytes
+    handle = attach(model, plan, "cpu")
+    try:
+        handle.zero_grad()
+        for k in range(2):  # gradient accumulation: the second micro-batch crosses through staging
+            handle.last_micro_batch = k == 1
+            ids = _batch(model, k)
+            model(input_ids=ids, labels=ids).loss.backward()
+        handle.synchronize()
+        assert pinned.REGISTRY.cached_bytes == c0, "pinned memory from the caching host allocator"
+        store = sum(ls.compute_bytes.numel() + ls.grad.numel() * 4 for ls in handle.store.layers.values())
+        held = store + handle.activations.pool.allocated_bytes + handle.engine._staging.allocated_bytes
+        assert handle.activations.pool.allocated_bytes > 0 and handle.engine._staging.allocated_bytes > 0
+        assert pinned.REGISTRY.registered_bytes - r0 == held
+    finally:
+        handle.remove()
+    gc.collect()
+    assert pinned.REGISTRY.registered_bytes == r0  # everything unregistered once the handle is gone
