@@ -31,6 +31,7 @@ Note: [Data parallel reduces the host accumulators once per step]
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
@@ -90,6 +91,7 @@ class GradientSink:
             spilled = self._spilled(i)
             if spilled:
                 # the accumulator is a host window over the unit's file (lazytrain_hf.streaming.nvmestate)
+                self._wait_written_back(i)
                 self.nvme_state.open_grad(i, ls, accumulate=not fresh)
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             if self.grad_reducer is not None:
@@ -126,6 +128,24 @@ class GradientSink:
         if i == self.head_key and self._tied:
             self._release(self.embed_key)  # the lm_head's use of the tied weight is over too
 
+    def _written_back(self) -> dict[int, threading.Event]:
+        """Per unit whose state is on NVMe: an event set once its last gradient window was written back."""
+        return self.__dict__.setdefault("_written_back_events", {})
+
+    def _wait_written_back(self, i: int) -> None:
+        """Note: [A unit's gradient window is written back before it is opened again]
+        With the state on NVMe, micro-batch ``k``'s gradient window of unit ``i`` is written back to the unit's file
+        by the host worker (`close_grad`, after the D2H copy landed); micro-batch ``k + 1``'s `open_grad` reads that
+        file and rebinds the unit's gradient views to a new window. It must come after the write-back, or it reads a
+        stale gradient and the worker writes into the new window (or a poisoned view). The worker sets the unit's
+        event once its write-back ran; when it has not, the host drains the worker (counted as a host sync, and
+        rare: a whole forward lies between a unit's two completions). Test:
+        ``tests/test_cuda_semantics_host.py::test_state_nvme_write_back_precedes_the_next_micro_batch``."""
+        written = self._written_back().get(i)
+        if written is not None and not written.is_set():
+            self._host_sync("gradient window written back before the next micro-batch")
+            self.engine.synchronize()
+
     def _spilled(self, i: int) -> bool:
         spill = getattr(self, "nvme_state", None)
         return spill is not None and i in spill.units
@@ -135,6 +155,8 @@ class GradientSink:
     ) -> Callable[[], None] | None:
         if not host_norm and not reduce and not self._callbacks and not spilled:
             return None
+        if spilled:  # Note: [A unit's gradient window is written back before it is opened again]
+            written = self._written_back()[i] = threading.Event()
 
         def after() -> None:
             ls = self.store.layers[i]
@@ -148,6 +170,7 @@ class GradientSink:
             self._run_callbacks(i)
             if spilled:
                 self.nvme_state.close_grad(i, ls)  # written back to the unit's file, the window released
+                written.set()
 
         return after
 
