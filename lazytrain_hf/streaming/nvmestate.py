@@ -70,6 +70,7 @@ from ..activations.tiers import aligned, round_up
 from ..optim.kernels import AdamWScalars, adamw8bit_step, adamw32_step
 from ..optim.quant import Quantized8bit, dynamic_lookup, num_blocks
 from ..units import format_bytes
+from .statewindows import WindowPool
 from .store import poisoned
 
 IO_ALIGN = _io.IO_ALIGN
@@ -175,9 +176,14 @@ class NvmeState:
         block_size, min_8bit_size: the optimizer's 8-bit layout (`HybridAdamW8bit`); checked against it in `bind`.
         io_mode: ``"auto"`` (``O_DIRECT`` where the filesystem takes it, else fdatasync + DONTNEED), ``"direct"``,
             ``"fadvise"``.
+        pin_memory: the fetch and gradient windows, which lanes copy from and to, are registered
+            (`lazytrain_hf.streaming.statewindows`; `streams.pin_host_memory`).
     """
 
-    def __init__(self, root: str, trace, block_size: int = 256, min_8bit_size: int = 4096, io_mode: str = "auto"):
+    def __init__(
+        self, root: str, trace, block_size: int = 256, min_8bit_size: int = 4096, io_mode: str = "auto",
+        pin_memory: bool = False,
+    ):  # fmt: skip
         root = _io.check_dir(root, "state_nvme_dir")
         if block_size & (block_size - 1) or not 16 <= block_size <= 4096:
             raise ValueError(f"optim_block_size={block_size} must be a power of two in [16, 4096].")
@@ -198,7 +204,9 @@ class NvmeState:
         self.step = 0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-r")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-w")
-        self._held: deque = deque()  # (event, window) of asynchronous copies still reading a fetch window
+        self._held: deque = deque()  # (event, window or its PinnedBlock) of copies still reading a fetch window
+        self._windows = WindowPool(pin_memory, IO_ALIGN)  # registered fetch and gradient windows
+        self._leased: dict[int, Any] = {}  # address -> PinnedBlock of fetch windows handed out, before `hold`
         self._lock = threading.Lock()
         self._source = None  # the DiskSource of parameters left on disk by remove() (`leave_on_disk`)
         self._in_pass = False  # an optimizer pass wrote some unit since the last commit (it failed if it stays so)
@@ -346,12 +354,24 @@ class NvmeState:
         with torch.no_grad():
             for e in ls.entries:
                 e.param.data = ls.compute_views[e.name]
+        ls.release_pinned()  # unregistered, then freed (Note: [Unregister before free] in lazytrain_hf/pinned.py)
         self._write_manifest()
 
     # ------------------------------------------------------------------ weight fetches
     def read_compute(self, key: int, what: str = "fetch") -> torch.Tensor:
-        """The unit's compute copy read into a fresh aligned host window (uint8, its ``compute_bytes``)."""
-        return self._compute_window(key, what)[: self.units[key].compute_bytes]
+        """The unit's compute copy read into a host window (uint8, its ``compute_bytes``): a registered one from the
+        pool when pinned (the fetch copies it asynchronously; `hold` hands it back), else a fresh aligned one."""
+        u = self.units[key]
+        if not self._windows.pin:
+            return self._compute_window(key, what)[: u.compute_bytes]
+        self._reap_held(block=False)
+        block = self._windows.get(u.compute_bytes)
+        self.trace.transfer("nvme_read", u.compute_bytes, "uint8", key, what)
+        self._pread(u, block.tensor, u.compute_bytes, 0)
+        win = block.tensor[: u.compute_bytes]
+        with self._lock:
+            self._leased[win.data_ptr()] = block
+        return win
 
     def _compute_window(self, key: int, what: str) -> torch.Tensor:
         u = self.units[key]
@@ -364,14 +384,16 @@ class NvmeState:
     def hold(self, event: Any, window: torch.Tensor) -> None:
         """Keep ``window`` alive until the asynchronous copy reading it (``event``) completed."""
         with self._lock:
-            self._held.append((event, window))
+            self._held.append((event, self._leased.pop(window.data_ptr(), window)))
 
     def _reap_held(self, block: bool) -> None:
         with self._lock:
             while self._held and (block or self._held[0][0] is None or self._held[0][0].query()):
-                ev, _ = self._held.popleft()
+                ev, win = self._held.popleft()
                 if ev is not None and block:
                     ev.synchronize()
+                if not isinstance(win, torch.Tensor):
+                    self._windows.put(win)  # a pooled window: its copy read it
 
     # ------------------------------------------------------------------ gradients
     def open_grad(self, key: int, ls, accumulate: bool) -> None:
@@ -379,7 +401,9 @@ class NvmeState:
         ``accumulate`` the window first reads the gradient accumulated so far."""
         u = self.units[key]
         nbytes = 4 * u.train_elems
-        win = aligned_empty(nbytes)
+        # registered when pinned: the D2H copy of a fresh gradient lands in it
+        block = self._windows.get(nbytes) if self._windows.pin else None
+        win = aligned_empty(nbytes) if block is None else block.tensor
         if accumulate:
             self.trace.transfer("nvme_read", nbytes, torch.float32, key, "grad")
             self._pread(u, win, nbytes, u.grad_off)
@@ -388,7 +412,7 @@ class NvmeState:
         _rebind(ls.grad, win, 0, torch.Size([u.train_elems]))
         for e in ls.trainable_entries:
             _rebind(ls.grad_views[e.name], win, 4 * e.elem_offset, e.shape)
-        ls._grad_window = win
+        ls._grad_window, ls._grad_block = win, block
 
     def close_grad(self, key: int, ls) -> None:
         """Write the gradient window back to the unit's file and release it."""
@@ -400,6 +424,13 @@ class NvmeState:
         _poison(ls.grad)
         for t in ls.grad_views.values():
             _poison(t)
+        block = ls.__dict__.pop("_grad_block", None)
+        if block is not None:
+            self._windows.put(block)
+
+    def window_bytes(self) -> int:
+        """Bytes of the registered windows (`statewindows.WindowPool`), free or in use."""
+        return self._windows.allocated_bytes
 
     def read_grads(self, key: int, ls) -> dict[str, torch.Tensor]:
         """Copies of the unit's accumulated gradients read from its file (the public gradient API)."""
@@ -726,6 +757,8 @@ class NvmeState:
         self._reap_held(block=True)
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        self._leased.clear()
+        self._windows.clear()
         for u in self.units.values():
             if u.fd >= 0:
                 with contextlib.suppress(OSError):
