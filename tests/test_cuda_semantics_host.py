@@ -193,6 +193,7 @@ def test_pinned_buffers_are_registered_at_their_exact_size(sim, tmp_path):
     L = model.config.num_hidden_layers
     layers = [LayerPlan(index=i, kind="full_attention", policy="offload_cpu") for i in range(L)]
     plan = Plan(layers=layers, micro_batch_size=2, seq_len=12)
+    gc.collect()
     c0, r0 = pinned.REGISTRY.cached_bytes, pinned.REGISTRY.registered_bytes
     handle = attach(model, plan, "cpu")
     try:
@@ -209,5 +210,6 @@ def test_pinned_buffers_are_registered_at_their_exact_size(sim, tmp_path):
         assert pinned.REGISTRY.registered_bytes - r0 == held
     finally:
         handle.remove()
+    del handle, model
     gc.collect()
     assert pinned.REGISTRY.registered_bytes == r0  # everything unregistered once the handle is gone

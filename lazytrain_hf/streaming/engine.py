@@ -398,28 +398,35 @@ def _align256(n: int) -> int:
 
 
 class _StagingPool:
-    """Pinned (on CUDA) staging buffers for gradients crossing to the host, by dtype and element count.
+    """Pinned (registered, exact-size) staging buffers for gradients crossing to the host, by dtype and element count.
 
-    See Note: [Gradients cross in their own dtype]. `get` returns a free buffer of at least ``numel`` elements
-    (sizes are rounded up to a power of two so that layers of one model share buffers) or allocates one; `put`
+    See Note: [Gradients cross in their own dtype]. `get` returns a free buffer of ``numel`` elements or allocates
+    one; `put`
     hands it back once the worker consumed it. At most `STAGING_BUFFERS` free buffers per class are kept.
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._blocks: dict[int, pinned.PinnedBlock] = {}  # address -> the registered block of a buffer
         self._lock = threading.Lock()
         self.allocated_bytes = 0
 
     def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A 1-D buffer of at least ``numel`` elements (its first ``numel`` are what the caller uses)."""
-        cap = 1 << max(0, int(numel - 1).bit_length())
+        """A 1-D buffer of exactly ``numel`` elements, registered when ``pin`` (Note: [Pinned blocks are registered,
+        not cached] in store.py: no power-of-two rounding; layers of one kind still share buffers)."""
         with self._lock:
-            free = self._free.get((dtype, cap))
+            free = self._free.get((dtype, numel))
             if free:
                 return free.pop()
-            self.allocated_bytes += cap * dtype.itemsize
-        return pinned.cached_empty(cap, dtype) if self.pin else torch.empty(cap, dtype=dtype)
+            self.allocated_bytes += numel * dtype.itemsize
+        if not self.pin:
+            return torch.empty(numel, dtype=dtype)
+        block = pinned.PinnedBlock(numel * dtype.itemsize, True, "gradient staging")
+        buf = block.tensor.view(dtype)
+        with self._lock:
+            self._blocks[buf.data_ptr()] = block
+        return buf
 
     def put(self, buf: torch.Tensor) -> None:
         """Hand back a buffer from `get` (its last reader is done)."""
@@ -427,8 +434,11 @@ class _StagingPool:
             free = self._free.setdefault((buf.dtype, buf.numel()), [])
             if len(free) < STAGING_BUFFERS:
                 free.append(buf)
-            else:
-                self.allocated_bytes -= buf.numel() * buf.element_size()
+                return
+            self.allocated_bytes -= buf.numel() * buf.element_size()
+            block = self._blocks.pop(buf.data_ptr(), None)
+        if block is not None:
+            block.release()
 
 
 class _HostWorker:

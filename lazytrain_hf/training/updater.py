@@ -206,10 +206,12 @@ class LayerwiseUpdater:
             return None
         bufs = self._res_bufs.get(name)
         if bufs is None or bufs[0].shape != g.shape or bufs[0].dtype != g.dtype:
-            staging = pinned.cached_empty(g.numel(), g.dtype).view(g.shape)
+            # exact-size and registered (Note: [Pinned blocks are registered, not cached] in streaming/store.py)
+            block = pinned.PinnedBlock(g.numel() * g.element_size(), True, "resident gradient staging")
+            staging = block.tensor.view(g.dtype).view(g.shape)
             host32 = staging if g.dtype == torch.float32 else torch.empty(g.shape, dtype=torch.float32)
-            bufs = self._res_bufs[name] = (staging, host32)
-        staging, host32 = bufs
+            bufs = self._res_bufs[name] = (staging, host32, block)
+        staging, host32 = bufs[:2]
         lane = lanes["d2h"]
         lane.hold(g)  # Note: [Gradient memory outlives its D2H copy] in streaming/engine.py
         ev = lane.copy(staging, g.detach(), after_compute=True)
@@ -236,8 +238,9 @@ class LayerwiseUpdater:
             return None
         entry = self._up_bufs.get(name)
         if entry is None or entry[0].shape != p.shape or entry[0].dtype != p.dtype:
-            entry = self._up_bufs[name] = [pinned.cached_empty(p.numel(), p.dtype).view(p.shape), None]
-        buf, last = entry
+            block = pinned.PinnedBlock(p.numel() * p.element_size(), True, "resident upload staging")
+            entry = self._up_bufs[name] = [block.tensor.view(p.dtype).view(p.shape), None, block]
+        buf, last = entry[:2]
         if last is not None:
             if threading.current_thread() is threading.main_thread():
                 self.handle.trace.host_sync("resident upload staging")  # only without overlap
