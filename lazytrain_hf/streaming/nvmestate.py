@@ -70,6 +70,9 @@ from ..activations.tiers import aligned, round_up
 from ..optim.kernels import AdamWScalars, adamw8bit_step, adamw32_step
 from ..optim.quant import Quantized8bit, dynamic_lookup, num_blocks
 from ..units import format_bytes
+
+# read_committed and update_bytes are public names of this module too (planner, tests and benchmarks import them here)
+from .statefiles import MANIFEST, gather_scales, read_committed, update_bytes  # noqa: F401
 from .statewindows import WindowPool
 from .store import poisoned
 
@@ -78,7 +81,6 @@ IO_ALIGN = _io.IO_ALIGN
 # size up to 4096; each chunk's block scales have a slot of their own, `IO_ALIGN`-aligned. Read when a unit is laid
 # out (`NvmeState.add_unit`), which fixes it for that unit.
 CHUNK_ELEMS = 1 << 22
-MANIFEST = "manifest.json"
 BUILD_WINDOW = 64 << 20  # bytes of the window a unit's state is written through when it is moved to its file
 _DIR_PREFIX = "lazytrain-state_"
 _DIR_RE = re.compile(r"^lazytrain-state_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
@@ -636,7 +638,7 @@ class NvmeState:
             s = len(p.chunks()) * p.abs_slot
             w = aligned_empty(s)
             self._pread(u, w, s, getattr(p, what)[u.gen])
-            return _gather_scales(w[:s], p.chunks(), p.abs_slot, self.block_size)
+            return gather_scales(w[:s], p.chunks(), p.abs_slot, self.block_size)
         n, dt = {"master": (4 * p.numel, torch.float32), "m_codes": (p.numel, torch.uint8)}.get(
             what, (p.numel, torch.uint8)
         )
@@ -767,16 +769,6 @@ class NvmeState:
         shutil.rmtree(self.path, ignore_errors=True)
 
 
-def _gather_scales(region: torch.Tensor, chunks: list[tuple[int, int]], slot: int, block_size: int) -> torch.Tensor:
-    """The block scales of a tensor from its per-chunk slots (uint8 ``region``) as one fp32 tensor."""
-    parts = []
-    for a, b in chunks:
-        nb = num_blocks(b, block_size) - a // block_size
-        start = (a // (chunks[0][1] - chunks[0][0])) * slot if chunks else 0
-        parts.append(region.narrow(0, start, 4 * nb).view(torch.float32))
-    return torch.cat(parts).clone() if parts else torch.zeros(0)
-
-
 def _remove_dir(fds: list[int], path: str) -> None:
     for fd in fds:
         with contextlib.suppress(OSError):
@@ -784,62 +776,9 @@ def _remove_dir(fds: list[int], path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def read_committed(path: str) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-    """The committed state in a state directory (`NvmeState.path`), independent of any process: per unit key, per
-    parameter, ``{"master", "m_codes", "m_abs", "v_codes", "v_abs"}`` (8-bit tensors; ``master`` only for the
-    others, whose moments live in RAM) and ``"step"`` (a 0-dim int64). Note: [The state on NVMe commits per
-    optimizer step]."""
-    with open(os.path.join(path, MANIFEST)) as f:
-        man = json.load(f)
-    out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-    for key, unit in man["units"].items():
-        g = unit["gen"]
-        with open(os.path.join(path, unit["file"]), "rb") as f:
-            per: dict[str, dict[str, torch.Tensor]] = {}
-            for p in unit["params"]:
-                arrays: dict[str, torch.Tensor] = {"step": torch.tensor(p["step"])}
-                spec = [("master", 4 * p["numel"], torch.float32)]
-                if p["q8"]:
-                    spec += [("m_codes", p["numel"], torch.uint8), ("v_codes", p["numel"], torch.uint8)]
-                for name, n, dt in spec:
-                    f.seek(p[name][g])
-                    arrays[name] = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).view(dt)
-                if p["q8"]:
-                    chunks = [(a, min(p["numel"], a + p["chunk"])) for a in range(0, p["numel"], p["chunk"])]
-                    for name in ("m_abs", "v_abs"):
-                        f.seek(p[name][g])
-                        raw = torch.frombuffer(bytearray(f.read(len(chunks) * p["abs_slot"])), dtype=torch.uint8)
-                        arrays[name] = _gather_scales(raw, chunks, p["abs_slot"], man["block_size"])
-                per[p["name"]] = arrays
-        out[int(key)] = per
-    return out
-
-
 def remove_stale_state_dirs(root: str) -> list[str]:
     """Remove the private state directories in ``root`` of processes of this host that are gone."""
     return _io.remove_stale_spill_dirs(root, _DIR_RE)
-
-
-def update_bytes(
-    tensors: list[tuple[int, Any, bool]],
-    compute_bytes: int,
-    block_size: int = 256,
-    min_8bit_size: int = 4096,
-) -> tuple[int, int]:
-    """``(bytes read, bytes written)`` of one `NvmeState.update_unit` of a unit whose streamed tensors are
-    ``[(numel, dtype, trainable)]``: per trainable tensor its master and gradient (and 8-bit codes and scales) in, its
-    master (and moments) out; the compute copy out, and in first when the unit has frozen tensors."""
-    read = write = 0
-    for n, _, t in tensors:
-        if not t:
-            continue
-        q = 2 * n + 8 * math.ceil(n / block_size) if n >= min_8bit_size else 0
-        read += 8 * n + q
-        write += 4 * n + q
-    write += compute_bytes
-    if any(not t for _, _, t in tensors):
-        read += compute_bytes
-    return read, write
 
 
 def state_file_bytes(
