@@ -213,3 +213,49 @@ def test_pinned_buffers_are_registered_at_their_exact_size(sim, tmp_path):
     del handle, model
     gc.collect()
     assert pinned.REGISTRY.registered_bytes == r0  # everything unregistered once the handle is gone
+
+
+@pytest.mark.parametrize("lead", [0, 8])
+def test_host_lead_is_bounded(sim, monkeypatch, lead):
+    """Note: [The host leads the device by two stages]: with the simulated host running ``lead`` layers ahead of the
+    device (8: the whole forward), the offload sources on the device never exceed the layer computing and the one
+    before it (plus one being dropped), the memory the planner's stage model charges (``alive(i, i + 1)`` per offload
+    source, planner/stages.py), and the step's measured device peak stays within the plan's. Defect: the bound was a
+    device-side wait only, so with a lead of 8 every layer's source stayed (peak = keep-all)."""
+    from lazytrain_hf import models
+    from lazytrain_hf.activations.tiers import HOST_LEAD_ENV
+    from lazytrain_hf.planner import costmodel
+    from lazytrain_hf.planner.plan import LayerPlan
+
+    monkeypatch.setenv(HOST_LEAD_ENV, str(lead))
+    model = tiny_model("qwen3", seed=1, num_hidden_layers=8)
+    kinds = models.layer_kinds(model.config)
+    plan = Plan(
+        layers=[LayerPlan(index=i, kind=k, policy="offload_cpu") for i, k in enumerate(kinds)],
+        micro_batch_size=2,
+        seq_len=10,
+    )
+    handle = attach(model, plan=plan)
+    seen: list[int] = []
+    hooks = [
+        layer.register_forward_hook(lambda *_: seen.append(handle.activations.memory_stats()["gpu_bytes"]))
+        for layer in models.decoder_layers(model)
+    ]
+    try:
+        assert handle.activations._tiers.host_lead == lead
+        ids = torch.randint(0, model.config.vocab_size, (2, 10))
+        handle.causal_lm_loss(model, {"input_ids": ids, "labels": ids}).backward()
+        per_layer = max(d["cpu"] for d in handle.activations.layer_bytes().values())
+    finally:
+        for h in hooks:
+            h.remove()
+        handle.remove()
+    assert len(seen) == 8 and per_layer > 0
+    # the stage model's charge in forward stage i < L - 1: offload sources of layers i - 1 and i (at the last layer
+    # the first backward reload is issued too)
+    cm = costmodel.CostModel.from_config(
+        model.config, "cpu", seq_len=10, micro_batch_size=2, dtype_bytes=4, attn_implementation="eager"
+    )
+    charged = 2 * max(lc.saved_bytes for lc in cm.layers)
+    assert max(seen[:-1]) <= charged, (lead, [s / charged for s in seen])
+    assert max(seen) <= 3 * per_layer, (lead, max(seen) / per_layer, seen)

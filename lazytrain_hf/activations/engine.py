@@ -220,6 +220,7 @@ class ActivationEngine:
         ev = self._tiers.offload_events.pop(layer, None)
         if ev is not None and self._tiers.lanes is not None:
             self._tiers.lanes.compute_wait(ev)
+            self._tiers.bound_host_lead(layer, ev)  # Note: [The host leads the device by two stages] (tiers.py)
 
     def set_trace(self, trace: Any) -> None:
         """Record every copy and disk transfer in the executor's `Trace` (lazytrain_hf.streaming.trace)."""
