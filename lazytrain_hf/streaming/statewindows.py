@@ -14,9 +14,10 @@ import threading
 
 from .. import pinned
 
-# Free windows kept per size: the fetch windows and gradient windows in flight at once (planner/hostmem.py:
-# STATE_FETCH_WINDOWS + STATE_GRAD_WINDOWS); a window beyond that is released (unregistered, then freed).
-KEEP_FREE = 4
+# Free windows kept per size (fetch windows and gradient windows have sizes of their own): as many as the host
+# footprint charges of each (planner/hostmem.py: STATE_FETCH_WINDOWS, STATE_GRAD_WINDOWS); a window beyond that is
+# released (unregistered, then freed).
+KEEP_FREE = 2
 
 
 class WindowPool:
