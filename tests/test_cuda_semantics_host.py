@@ -284,3 +284,33 @@ def test_planner_charges_the_gradient_staging(sim, ga):
     finally:
         handle.remove()
     assert 0 < staged <= fp.staging, (staged, fp.staging)
+
+
+def _backward_peak(lead: int, monkeypatch) -> tuple[int, int]:
+    from lazytrain_hf.activations.tiers import HOST_LEAD_ENV
+
+    monkeypatch.setenv(HOST_LEAD_ENV, str(lead))
+    model = tiny_model("qwen3", seed=1, num_hidden_layers=8)
+    layer_grad = sum(p.numel() * p.element_size() for p in model.model.layers[0].parameters())
+    plan = Plan.default(8, micro_batch_size=2, seq_len=10)
+    for lp in plan.layers:
+        lp.policy = "recompute"  # little saved per layer: the gradients decide the backward's peak
+    handle = attach(model, plan=plan)
+    try:
+        ids = torch.randint(0, model.config.vocab_size, (2, 10), generator=torch.Generator().manual_seed(0))
+        loss = handle.causal_lm_loss(model, {"input_ids": ids, "labels": ids})
+        handle.reset_peak()
+        loss.backward()
+        return handle.memory_stats()["device_peak_bytes"], layer_grad
+    finally:
+        handle.remove()
+
+
+def test_host_lead_is_bounded_in_backward(sim, monkeypatch):
+    """Note: [Gradients freed behind their copy stay while the host leads]: with the simulated host 8 layers ahead of
+    the device, the backward's measured device peak exceeds the one without a lead by at most one layer's gradients
+    (the stage model's ``alive(B_i, B_i + 1)``: a layer's gradients live during its backward stage and the next):
+    the host waits for the gradient copies of two layers back. Without that wait every layer's gradients stayed."""
+    base, layer_grad = _backward_peak(0, monkeypatch)
+    led, _ = _backward_peak(8, monkeypatch)
+    assert base <= led <= base + layer_grad, (base, led, (led - base) / layer_grad)

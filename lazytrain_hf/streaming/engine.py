@@ -362,6 +362,12 @@ class TransferEngine:
         ev = self._grad_events.pop(layer, None)
         if ev is not None:
             self.lanes.compute_wait(ev)
+            # the host too, bounding its lead (Note: [Gradients freed behind their copy stay while the host leads]
+            # in gradients.py); a host sync only when the copy has not landed yet
+            if not ev.query():
+                self.trace.host_sync("the host waits for the gradient copies of two layers back (its lead)")
+                ev.synchronize()
+            self.grads_down_layer = layer
 
     def synchronize(self) -> None:
         """Wait for every pending copy and host-side accumulation (no-op for synchronous CPU copies)."""

@@ -37,6 +37,7 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..activations.tiers import simulated_host_lead
 from .binder import _LayerState
 
 # Elements per piece of a squared norm taken in fp32 over a lower-precision gradient (`squared_norm`)
@@ -186,12 +187,48 @@ class GradientSink:
             return
         for e in st.store.trainable_entries:
             e.param.grad = None
-        self._device_grad_bytes -= st.device_grad_bytes
+        n = st.device_grad_bytes
+        self._device_grad_bytes -= n
         st.device_grad_bytes = 0
+        # Note: [Gradients freed behind their copy stay while the host leads]
+        d = self.__dict__
+        seq = d["_grad_seq"] = d.get("_grad_seq", 0) + 1
+        d.setdefault("_grad_seq_of", {})[st.index] = seq
+        lead = simulated_host_lead() if self.engine.is_async and not self.engine.is_cuda else 0
+        if lead and n:
+            d.setdefault("_deferred_grads", []).append((seq, n, lead))
+
+    # Note: [Gradients freed behind their copy stay while the host leads]
+    #     A layer's device gradients are dropped right after their D2H copy is queued, marked with
+    #     ``record_stream`` (Note: [Gradient memory outlives its D2H copy] in engine.py): the caching allocator reuses
+    #     the memory only once the device passed the copy. A host ``K`` layers ahead of the device (Note: [The host
+    #     leads the device by two stages] in activations/tiers.py) allocates the next layers' gradients meanwhile, so
+    #     ``K`` layers of gradients are on the device, however early the host dropped them. The simulated host lead
+    #     (``LAZYTRAIN_SIMULATE_HOST_LEAD``) keeps such gradients counted as device bytes until ``K`` completions
+    #     later or until the host waited for a gradient copy issued at or after theirs (`TransferEngine.wait_grads_down`
+    #     waits on the host for layer ``i + 2``'s copy in the backward of layer ``i``). Test:
+    #     ``tests/test_cuda_semantics_host.py::test_host_lead_is_bounded_in_backward``.
+    @property
+    def _device_grad_bytes(self) -> int:
+        """Bytes of layer gradients on the device: waiting for their copy, or freed behind it but (with a simulated
+        host lead) not known to be passed by the device yet."""
+        d = self.__dict__
+        deferred = d.get("_deferred_grads")
+        if deferred:
+            seq_of = d.get("_grad_seq_of", {})
+            waited = seq_of.get(getattr(self.engine, "grads_down_layer", None), 0)
+            now = d.get("_grad_seq", 0)
+            deferred[:] = [(s, n, k) for s, n, k in deferred if s > waited and now - s < k]
+        return d.get("_live_grad_bytes", 0) + sum(n for _, n, _ in deferred or ())
+
+    @_device_grad_bytes.setter
+    def _device_grad_bytes(self, value: int) -> None:
+        self.__dict__["_live_grad_bytes"] = value - sum(n for _, n, _ in self.__dict__.get("_deferred_grads", ()))
 
     def synchronize(self) -> None:
         """Wait until every gradient copy and host accumulation issued so far has finished."""
         self.engine.synchronize()
+        self.__dict__.pop("_deferred_grads", None)  # the device passed every copy
 
     def on_layer_grads_ready(self, fn: Callable[[int, dict[str, torch.Tensor]], None]) -> RemovableHandle:
         """Call ``fn(layer_index, grads)`` each time a layer's gradients of a backward are in place.
