@@ -314,3 +314,32 @@ def test_host_lead_is_bounded_in_backward(sim, monkeypatch):
     base, layer_grad = _backward_peak(0, monkeypatch)
     led, _ = _backward_peak(8, monkeypatch)
     assert base <= led <= base + layer_grad, (base, led, (led - base) / layer_grad)
+
+
+def test_state_nvme_accumulated_gradient_is_read_off_the_training_thread(sim, tmp_path, monkeypatch):
+    """Defect (reads on the training thread): with the state on NVMe and gradient accumulation, every micro-batch
+    after the first read each unit's accumulated gradient from its file with a synchronous pread on the thread
+    driving backward. The read now runs on the host worker, in order before the addition; gradients stay bit-exact
+    (``test_state_nvme_write_back_precedes_the_next_micro_batch``)."""
+    import threading
+
+    from lazytrain_hf.streaming.nvmestate import NvmeState
+
+    on_training_thread: list[int] = []
+    in_backward = [True]  # until the test reads the gradients back (`StreamHandle.grads`: reads on purpose)
+    pread, read_grads = NvmeState._pread, NvmeState.read_grads
+
+    def spy(self, u, out, nbytes, offset):
+        main = threading.current_thread() is threading.main_thread()
+        if in_backward[0] and main and offset == u.grad_off and nbytes == 4 * u.train_elems:
+            on_training_thread.append(u.key)
+        return pread(self, u, out, nbytes, offset)
+
+    def reading_back(self, key, ls):
+        in_backward[0] = False
+        return read_grads(self, key, ls)
+
+    monkeypatch.setattr(NvmeState, "_pread", spy)
+    monkeypatch.setattr(NvmeState, "read_grads", reading_back)
+    _grads(tmp_path, [0, 1, 2, 3], 2)
+    assert on_training_thread == []

@@ -93,7 +93,11 @@ class GradientSink:
             if spilled:
                 # the accumulator is a host window over the unit's file (lazytrain_hf.streaming.nvmestate)
                 self._wait_written_back(i)
-                self.nvme_state.open_grad(i, ls, accumulate=not fresh)
+                read = self.nvme_state.open_grad(i, ls, accumulate=not fresh, defer_read=True)
+                if read is not None:
+                    # the accumulated gradient is read by the host worker, in order before this micro-batch's
+                    # addition (only the worker touches the window until then), not on the training thread
+                    self.engine.offload_grads([], accumulate=True, after=read)
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             if self.grad_reducer is not None:
                 # every rank must reduce the same tensors in the same order: a parameter without a gradient here

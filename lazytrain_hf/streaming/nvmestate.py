@@ -398,23 +398,33 @@ class NvmeState:
                     self._windows.put(win)  # a pooled window: its copy read it
 
     # ------------------------------------------------------------------ gradients
-    def open_grad(self, key: int, ls, accumulate: bool) -> None:
+    def open_grad(self, key: int, ls, accumulate: bool, defer_read: bool = False) -> Any:
         """Point the unit's gradient accumulator (``ls.grad`` and its views) at a zeroed host window; with
-        ``accumulate`` the window first reads the gradient accumulated so far."""
+        ``accumulate`` the window first reads the gradient accumulated so far: now, or with ``defer_read`` by the
+        returned callable (run it before anything reads the window: the executor's host worker, in order before
+        the addition; None when there is nothing to read)."""
         u = self.units[key]
         nbytes = 4 * u.train_elems
         # registered when pinned: the D2H copy of a fresh gradient lands in it
         block = self._windows.get(nbytes) if self._windows.pin else None
         win = aligned_empty(nbytes) if block is None else block.tensor
+        read = None
         if accumulate:
-            self.trace.transfer("nvme_read", nbytes, torch.float32, key, "grad")
-            self._pread(u, win, nbytes, u.grad_off)
+
+            def read() -> None:
+                self.trace.transfer("nvme_read", nbytes, torch.float32, key, "grad")
+                self._pread(u, win, nbytes, u.grad_off)
+
+            if not defer_read:
+                read()
+                read = None
         else:
             win[:nbytes].zero_()  # alignment padding between parameters is part of the norm: zeros
         _rebind(ls.grad, win, 0, torch.Size([u.train_elems]))
         for e in ls.trainable_entries:
             _rebind(ls.grad_views[e.name], win, 4 * e.elem_offset, e.shape)
         ls._grad_window, ls._grad_block = win, block
+        return read
 
     def close_grad(self, key: int, ls) -> None:
         """Write the gradient window back to the unit's file and release it."""
