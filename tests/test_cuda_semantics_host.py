@@ -343,3 +343,23 @@ def test_state_nvme_accumulated_gradient_is_read_off_the_training_thread(sim, tm
     monkeypatch.setattr(NvmeState, "read_grads", reading_back)
     _grads(tmp_path, [0, 1, 2, 3], 2)
     assert on_training_thread == []
+
+
+def test_pinned_memory_is_allocated_through_lazytrain_pinned():
+    """Every page-locked allocation of the package goes through `lazytrain_hf.pinned` (exact-size registered blocks,
+    or the caching host allocator accounted at its power of two), where the simulation sees it: no tensor factory
+    elsewhere is given ``pin_memory=`` (which would take an unaccounted power-of-two block that is never returned)."""
+    import pathlib
+    import re
+
+    import lazytrain_hf
+
+    root = pathlib.Path(lazytrain_hf.__file__).parent
+    factory = re.compile(r"torch\.\w+\((?:[^()]|\([^()]*\))*\bpin_memory\s*=", re.S)
+    found = [
+        f"{path.relative_to(root)}: {m.group(0)[:80]!r}"
+        for path in sorted(root.rglob("*.py"))
+        if path.name != "pinned.py"
+        for m in factory.finditer(path.read_text())
+    ]
+    assert found == [], found
