@@ -220,7 +220,9 @@ class SimLane:
         self._last = SimEvent(done=True)
         # which side of a copy is host memory, by the lane's name (Note: [Simulated copies need pinned host memory])
         self.direction = name.rsplit("-", 1)[-1]
-        self._holds: list[torch.Tensor] = []  # `hold` since the last copy: released once the next copy ran
+        # per issuing thread, what `hold` kept since its last copy: released once its next copy ran (a lane may be
+        # fed by two threads: the training thread and the optimizer's)
+        self._holds: dict[int, list[torch.Tensor]] = {}
         self._thread = threading.Thread(target=self._run, name=f"lazytrain-sim-{name}", daemon=True)
         self._thread.start()
 
@@ -259,7 +261,7 @@ class SimLane:
             poison_(dst)
         sources = [_WeakSource(src) for _, src in pairs]
         dsts = [dst for dst, _ in pairs]
-        held, self._holds = self._holds, []  # Note: [Simulated copies hold their sources weakly]
+        held = self._holds.pop(threading.get_ident(), [])  # Note: [Simulated copies hold their sources weakly]
 
         def run() -> None:
             with torch.no_grad():
@@ -293,7 +295,7 @@ class SimLane:
     def hold(self, t: torch.Tensor) -> None:
         """Keep ``t``'s memory until the lane's next copy (the one issued for it) ran, as ``record_stream`` does on
         CUDA (Note: [Simulated copies hold their sources weakly])."""
-        self._holds.append(t)
+        self._holds.setdefault(threading.get_ident(), []).append(t)
 
     def synchronize(self) -> None:
         self._last.synchronize()
