@@ -113,10 +113,11 @@ class LayerwiseUpdater:
         self._where: dict[int, tuple[int, int]] = {}
         # LAZYTRAIN_SIMULATE_ASYNC=1: the background update lags by seeded random delays (lazytrain_hf.streams)
         self._delay = SimDelay("optimizer") if overlap and simulate_async() else None
-        # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad)
-        self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad,
+        # the staging's registered block)
+        self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor, pinned.PinnedBlock]] = {}
         # Note: [Resident parameters are uploaded from pinned staging]: per resident parameter, its staging buffer
-        # in the parameter's dtype and the event of the last upload from it
+        # in the parameter's dtype, the event of the last upload from it and the buffer's registered block
         self._up_bufs: dict[str, list] = {}
         self._uploads: list = []  # events of the last run's resident uploads (the compute side waits for them)
         handle.fetch_guard = self.wait_layer
