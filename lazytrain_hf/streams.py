@@ -39,10 +39,13 @@ import queue
 import random
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+
+from . import pinned
 
 SIMULATE_ENV = "LAZYTRAIN_SIMULATE_ASYNC"
 SEED_ENV = "LAZYTRAIN_SIMULATE_ASYNC_SEED"
@@ -64,6 +67,12 @@ def simulate_async() -> bool:
     raise ValueError(
         f"{SIMULATE_ENV}={value!r}: use 1 to simulate asynchronous copies on the CPU or 0 to copy inline."
     )
+
+
+def pin_host_memory(device: torch.device | str) -> bool:
+    """Whether the executor page-locks its host buffers for ``device``: on CUDA, and on the CPU under the simulation,
+    which then checks every lane copy's host side is pinned (`lazytrain_hf.pinned`)."""
+    return torch.device(device).type == "cuda" or simulate_async()
 
 
 def _sim_seed() -> int:
@@ -171,6 +180,36 @@ class SimEvent:
         return f"SimEvent(done={self.query()})"
 
 
+class _WeakSource:
+    """Note: [Simulated copies hold their sources weakly]
+    The CUDA caching allocator hands a freed block to the next allocation as soon as the host frees it: a copy
+    queued on a side stream that reads a tensor the host dropped reads whatever was put there next, unless the
+    tensor was marked with ``record_stream`` (`Lane.hold`) or kept by its owner until the copy's event. A simulated
+    copy therefore keeps only a weak reference to its source's memory (the storage, with the view's geometry) and
+    raises when that memory is gone by the time the copy runs; ``hold(t)`` keeps ``t`` until the lane's next copy
+    ran. Returning a buffer to a pool is not a free: the pools carry the copy's event."""
+
+    __slots__ = ("ref", "geometry", "dtype", "shape")
+
+    def __init__(self, t: torch.Tensor):
+        self.ref = weakref.ref(t.untyped_storage())
+        self.geometry = (t.storage_offset(), tuple(t.shape), tuple(t.stride()))
+        self.dtype = t.dtype
+        self.shape = tuple(t.shape)
+
+    def get(self, lane: str) -> torch.Tensor:
+        storage = self.ref()
+        if storage is None:
+            raise RuntimeError(
+                f"lazytrain_hf: the source ({self.shape} {self.dtype}) of a copy on lane {lane!r} was freed before "
+                "the copy ran; on CUDA the caching allocator may already have given its memory to another tensor. "
+                "Keep it until the copy's event completed, or `Lane.hold` it (record_stream). See Note: [Simulated "
+                "copies hold their sources weakly] in lazytrain_hf/streams.py."
+            )
+        offset, shape, stride = self.geometry
+        return torch.empty(0, dtype=self.dtype).set_(storage, offset, shape, stride)
+
+
 class SimLane:
     """A simulated stream: one worker thread running its jobs in issue order, each after a random delay."""
 
@@ -179,6 +218,11 @@ class SimLane:
         self._delay = SimDelay(name)
         self._q: queue.Queue[tuple[Callable[[], None], list[Any], SimEvent] | None] = queue.Queue()
         self._last = SimEvent(done=True)
+        # which side of a copy is host memory, by the lane's name (Note: [Simulated copies need pinned host memory])
+        self.direction = name.rsplit("-", 1)[-1]
+        # per issuing thread, what `hold` kept since its last copy: released once its next copy ran (a lane may be
+        # fed by two threads: the training thread and the optimizer's)
+        self._holds: dict[int, list[torch.Tensor]] = {}
         self._thread = threading.Thread(target=self._run, name=f"lazytrain-sim-{name}", daemon=True)
         self._thread.start()
 
@@ -208,16 +252,40 @@ class SimLane:
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Iterable[Any] = (), after_compute: bool = False
     ) -> SimEvent:
         """Issue ``dst.copy_(src)`` for each pair, as one job; the event of the last. Note: [Simulated copies poison
-        their destination]. ``after_compute`` needs no wait (Note: [Compute is synchronous in the simulation])."""
+        their destination]. ``after_compute`` needs no wait (Note: [Compute is synchronous in the simulation]).
+        The host side must be pinned (Note: [Simulated copies need pinned host memory]) and each source is held
+        weakly (Note: [Simulated copies hold their sources weakly])."""
+        for dst, src in pairs:
+            self._check_pinned(dst, src)
         for dst, _ in pairs:
             poison_(dst)
+        sources = [_WeakSource(src) for _, src in pairs]
+        dsts = [dst for dst, _ in pairs]
+        held = self._holds.pop(threading.get_ident(), [])  # Note: [Simulated copies hold their sources weakly]
 
         def run() -> None:
             with torch.no_grad():
-                for dst, src in pairs:
-                    dst.copy_(src)
+                for dst, src in zip(dsts, sources):
+                    dst.copy_(src.get(self.name))
+            held.clear()
 
         return self.submit(run, after)
+
+    def _check_pinned(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Note: [Simulated copies need pinned host memory]
+        On CUDA a ``non_blocking=True`` copy from or to pageable host memory goes through a driver staging buffer and
+        may block the host: the copy is not asynchronous. The lane's host side (the source of an ``h2d`` copy, the
+        destination of a ``d2h`` one) must therefore be pinned memory, registered or from the caching host
+        allocator (`lazytrain_hf.pinned`); the simulation refuses anything else."""
+        host = {"h2d": src, "d2h": dst}.get(self.direction)
+        if host is None or pinned.REGISTRY.is_pinned(host):
+            return
+        raise pinned.PageableCopyError(
+            f"lazytrain_hf: a {self.direction} copy on lane {self.name!r} of a {tuple(host.shape)} {host.dtype} host "
+            "tensor in pageable memory; on CUDA it would run synchronously. Copy through a registered buffer "
+            "(lazytrain_hf.pinned.PinnedBlock). See Note: [Simulated copies need pinned host memory] in "
+            "lazytrain_hf/streams.py."
+        )
 
     def copy(
         self, dst: torch.Tensor, src: torch.Tensor, after: Iterable[Any] = (), after_compute: bool = False
@@ -225,7 +293,9 @@ class SimLane:
         return self.copy_all([(dst, src)], after, after_compute)
 
     def hold(self, t: torch.Tensor) -> None:
-        """Keep ``t``'s memory until the lane's copies that read it ran: the copy's closure already holds it."""
+        """Keep ``t``'s memory until the lane's next copy (the one issued for it) ran, as ``record_stream`` does on
+        CUDA (Note: [Simulated copies hold their sources weakly])."""
+        self._holds.setdefault(threading.get_ident(), []).append(t)
 
     def synchronize(self) -> None:
         self._last.synchronize()

@@ -104,3 +104,14 @@ def evaluate_cache(tmp_path_factory):
         mp.setattr(cfg, name, home / sub)
     yield home
     mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _host_memory_rules():
+    """Every test ends by raising the host-memory violations the registry recorded (a registered buffer freed while
+    still registered: lazytrain_hf/pinned.py) and starts the next one clean."""
+    from lazytrain_hf import pinned
+
+    pinned.REGISTRY.check(reset=True)
+    yield
+    pinned.REGISTRY.check(reset=True)

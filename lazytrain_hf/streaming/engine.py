@@ -68,12 +68,15 @@ Note: [Gradients cross in their own dtype]
 
 Note: [Two stages of copies in flight]
     Offloads and gradients leave the device on the D2H lane while compute goes on; if that lane is slower than
-    compute, their sources would pile up on the device. The forward of layer ``i`` therefore waits (on the device,
-    not the host) for the offload copies of layer ``i - 2``, and the backward stage of layer ``i`` for the gradient
-    copies of layer ``i + 2`` (the head unit's for ``L - 2``): at most two stages of copies are in flight, the
-    memory and time the planner's stage model charges (a copy issued after stage ``s`` occupies stage ``s + 1``).
-    Test: ``tests/test_trace.py::test_copies_in_flight_are_bounded`` (the simulator and the stage model then agree
-    on peak memory).
+    compute, their sources would pile up on the device. The forward of layer ``i`` therefore waits for the offload
+    copies of layer ``i - 2``, and the backward stage of layer ``i`` for the gradient copies of layer ``i + 2`` (the
+    head unit's for ``L - 2``): at most two stages of copies are in flight, the memory and time the planner's stage
+    model charges (a copy issued after stage ``s`` occupies stage ``s + 1``). The compute stream waits, and so does
+    the host (a host sync only when the copy has not landed): a source is freed only once the host knows its copy
+    ran, so a host far ahead of the device would hold many stages of them (Note: [The host leads the device by two
+    stages] in activations/tiers.py, Note: [Gradients freed behind their copy stay while the host leads] in
+    gradients.py). Tests: ``tests/test_trace.py::test_copies_in_flight_are_bounded`` (the simulator and the stage
+    model then agree on peak memory), ``tests/test_cuda_semantics_host.py::test_host_lead_is_bounded*``.
 
 Every copy is recorded in the handle's trace (`lazytrain_hf.streaming.trace`), and so is every point where the
 training thread blocks on device work (``Trace.host_sync``).
@@ -90,7 +93,8 @@ from typing import Any
 
 import torch
 
-from ..streams import lanes_for, poison_
+from .. import pinned
+from ..streams import lanes_for, pin_host_memory, poison_
 from .trace import Trace
 
 # Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
@@ -148,7 +152,7 @@ class TransferEngine:
         self.fetch_count = 0
         self.fetch_bytes = 0
         self.trace = Trace(device=self.device)
-        self._staging = _StagingPool(pin=self.is_cuda)
+        self._staging = _StagingPool(pin=pin_host_memory(self.device))
 
     def __repr__(self) -> str:
         pools = ", ".join(f"{k}: {len(v)} x {self._slot_bytes[k]}B" for k, v in self.pools.items())
@@ -361,6 +365,12 @@ class TransferEngine:
         ev = self._grad_events.pop(layer, None)
         if ev is not None:
             self.lanes.compute_wait(ev)
+            # the host too, bounding its lead (Note: [Gradients freed behind their copy stay while the host leads]
+            # in gradients.py); a host sync only when the copy has not landed yet
+            if not ev.query():
+                self.trace.host_sync("the host waits for the gradient copies of two layers back (its lead)")
+                ev.synchronize()
+            self.grads_down_layer = layer
 
     def synchronize(self) -> None:
         """Wait for every pending copy and host-side accumulation (no-op for synchronous CPU copies)."""
@@ -397,28 +407,35 @@ def _align256(n: int) -> int:
 
 
 class _StagingPool:
-    """Pinned (on CUDA) staging buffers for gradients crossing to the host, by dtype and element count.
+    """Pinned (registered, exact-size) staging buffers for gradients crossing to the host, by dtype and element count.
 
-    See Note: [Gradients cross in their own dtype]. `get` returns a free buffer of at least ``numel`` elements
-    (sizes are rounded up to a power of two so that layers of one model share buffers) or allocates one; `put`
+    See Note: [Gradients cross in their own dtype]. `get` returns a free buffer of ``numel`` elements or allocates
+    one; `put`
     hands it back once the worker consumed it. At most `STAGING_BUFFERS` free buffers per class are kept.
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._blocks: dict[int, pinned.PinnedBlock] = {}  # address -> the registered block of a buffer
         self._lock = threading.Lock()
         self.allocated_bytes = 0
 
     def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A 1-D buffer of at least ``numel`` elements (its first ``numel`` are what the caller uses)."""
-        cap = 1 << max(0, int(numel - 1).bit_length())
+        """A 1-D buffer of exactly ``numel`` elements, registered when ``pin`` (Note: [Pinned blocks are registered,
+        not cached] in store.py: no power-of-two rounding; layers of one kind still share buffers)."""
         with self._lock:
-            free = self._free.get((dtype, cap))
+            free = self._free.get((dtype, numel))
             if free:
                 return free.pop()
-            self.allocated_bytes += cap * dtype.itemsize
-        return torch.empty(cap, dtype=dtype, pin_memory=self.pin)
+            self.allocated_bytes += numel * dtype.itemsize
+        if not self.pin:
+            return torch.empty(numel, dtype=dtype)
+        block = pinned.PinnedBlock(numel * dtype.itemsize, True, "gradient staging")
+        buf = block.tensor.view(dtype)
+        with self._lock:
+            self._blocks[buf.data_ptr()] = block
+        return buf
 
     def put(self, buf: torch.Tensor) -> None:
         """Hand back a buffer from `get` (its last reader is done)."""
@@ -426,8 +443,11 @@ class _StagingPool:
             free = self._free.setdefault((buf.dtype, buf.numel()), [])
             if len(free) < STAGING_BUFFERS:
                 free.append(buf)
-            else:
-                self.allocated_bytes -= buf.numel() * buf.element_size()
+                return
+            self.allocated_bytes -= buf.numel() * buf.element_size()
+            block = self._blocks.pop(buf.data_ptr(), None)
+        if block is not None:
+            block.release()
 
 
 class _HostWorker:

@@ -39,6 +39,7 @@ from torch.utils.hooks import RemovableHandle
 from .. import models
 from ..activations import ActivationEngine
 from ..planner.plan import Plan
+from ..streams import pin_host_memory
 from .binder import RESIDENT_TRAINABLE_FRACTION, ParameterBinder, hf_root
 from .completion import CompletionTracker, _Boundary
 from .engine import TransferEngine
@@ -109,7 +110,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         # why `causal_lm_loss` must run the model's own forward (an adapter outside the layers), or None
         self._full_model_loss = chunked_loss_unsupported(model)
         self.is_cuda = device.type == "cuda"
-        pin = self.is_cuda if pin_memory is None else bool(pin_memory)
+        pin = pin_host_memory(device) if pin_memory is None else bool(pin_memory)
         self.store = HostStore(pin_memory=pin)
         self.engine = TransferEngine(device)
         # every transfer, compute span, update and host synchronisation of a step (lazytrain_hf.streaming.trace)
@@ -170,6 +171,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 self.trace,
                 block_size=int(state_nvme.get("block_size", 256)),
                 min_8bit_size=int(state_nvme.get("min_8bit_size", 4096)),
+                pin_memory=pin,
             )
             wanted = set(plan.state_nvme)
             self.store.no_grad_buffer = set(wanted)  # their gradients live in their state files

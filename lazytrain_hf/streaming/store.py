@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .. import pinned
+
 # Every parameter starts at a multiple of 256 bytes inside the flat buffers and the device slots: enough for any
 # dtype view (`Tensor.view(dtype)` needs itemsize alignment), for vectorised CPU kernels (64 B) and for CUDA
 # (cudaMalloc gives 256 B alignment; some kernels assume 16 B).
@@ -111,35 +113,15 @@ def layer_layout(params: list[tuple[int, torch.dtype, bool]], compute_dtype: tor
 # Note: [Pinned blocks are registered, not cached]
 #     PyTorch's caching host allocator (`pin_memory=True`) rounds every block up to a power of two
 #     (`CachingHostAllocator.h`): a 300 MiB layer would take 512 MiB of page-locked memory. The store instead
-#     allocates each pinned buffer as ordinary pageable memory of its exact size and page-locks it in place with
-#     ``cudaHostRegister`` (unregistered when the buffer is freed), so the pinned bytes are exactly the layout's.
-#     `torch.Tensor.is_pinned()` is True for such memory and asynchronous copies treat it as pinned.
-class _Registered:
-    """Keeps a ``cudaHostRegister``-ed host tensor page-locked; unregisters it when collected (its `LayerStore` is
-    dropped: the buffer itself goes with it)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.ptr = t.data_ptr()
-        self.nbytes = t.numel() * t.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 1)  # cudaHostRegisterPortable, as torch
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {int(err)}).")
-
-    def __del__(self):
-        try:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
-        except Exception:  # interpreter shutdown
-            pass
-
-
+#     allocates each pinned buffer at its exact size and page-locks it in place with ``cudaHostRegister``
+#     (`lazytrain_hf.pinned.PinnedBlock`), unregistered before the buffer is freed (Note: [Unregister before free] in
+#     lazytrain_hf/pinned.py), so the pinned bytes are exactly the layout's. `torch.Tensor.is_pinned()` is True for
+#     such memory and asynchronous copies treat it as pinned.
 def pinned_zeros(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Tensor:
     """A zero-filled host tensor of exactly ``n`` elements (zeros: alignment padding is copied along with the data
-    and must be defined), page-locked when ``pin``; its registration is appended to ``keep`` (Note: [Pinned blocks
-    are registered, not cached])."""
-    t = torch.zeros(n, dtype=dtype)
-    if pin and n:
-        keep.append(_Registered(t))
-    return t
+    and must be defined), page-locked when ``pin``; its `PinnedBlock` is appended to ``keep``, whose owner releases
+    it (Note: [Pinned blocks are registered, not cached])."""
+    return pinned.pinned_empty(n, dtype, pin, keep, "a host store buffer")
 
 
 class PinnedArena:
@@ -155,7 +137,7 @@ class PinnedArena:
         self.used = 0
 
     def __repr__(self) -> str:
-        return f"PinnedArena(nbytes={self.block.numel()}, used={self.used}, pinned={bool(self._pins)})"
+        return f"PinnedArena(nbytes={self.block.numel()}, used={self.used}, pinned={self._pins[0].pinned})"
 
     def carve(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed view of ``n`` elements of ``dtype`` at the next `ALIGN_BYTES` boundary."""
@@ -326,6 +308,13 @@ class LayerStore:
         grad = 0 if self.grad is None else self.grad.numel() * 4
         return {"master": master, "compute": self.compute_bytes.numel(), "grad": grad}
 
+    def release_pinned(self) -> None:
+        """Unregister and drop this layer's pinned blocks (Note: [Unregister before free] in lazytrain_hf/pinned.py);
+        what still views them stays valid, as pageable memory."""
+        for block in self._pins:
+            block.release()
+        self._pins.clear()
+
     def sync(self) -> None:
         """Refresh the compute copy from the fp32 master (after the optimizer changed the master).
 
@@ -368,10 +357,10 @@ class HostStore:
         self.arena = PinnedArena(nbytes, self.pin_memory)
         return self.arena
 
-    def _pinned(self, n: int, dtype: torch.dtype, pins: list) -> torch.Tensor:
-        if self.arena is not None:
+    def _pinned(self, n: int, dtype: torch.dtype, pins: list, pin: bool = True) -> torch.Tensor:
+        if self.arena is not None and pin:
             return self.arena.carve(n, dtype)
-        return pinned_zeros(n, dtype, self.pin_memory, pins)
+        return pinned_zeros(n, dtype, self.pin_memory and pin, pins)
 
     def __repr__(self) -> str:
         hb = self.host_bytes()
@@ -425,14 +414,16 @@ class HostStore:
                 )
             )
         pins: list = []
+        # a unit whose state moves to NVMe (`on_add`) leaves RAM at once: pinning its buffers would buy nothing
+        pin = index not in self.no_grad_buffer
         n_train, aliased = layout.train_elems, layout.aliased
         if aliased:
-            compute = self._pinned(layout.compute_bytes // 4, torch.float32, pins)
+            compute = self._pinned(layout.compute_bytes // 4, torch.float32, pins, pin)
             compute_bytes = compute.view(torch.uint8)
             master = compute.narrow(0, 0, n_train) if n_train else None
         else:
             single = {e.dtype for e in entries}
-            compute_bytes = self._pinned(layout.compute_bytes, torch.uint8, pins)
+            compute_bytes = self._pinned(layout.compute_bytes, torch.uint8, pins, pin)
             compute = compute_bytes.view(next(iter(single))) if len(single) == 1 else None
             # the masters are read and written by the host optimizer only: pageable
             master = torch.zeros(n_train, dtype=torch.float32) if n_train else None

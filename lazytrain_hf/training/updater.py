@@ -16,6 +16,7 @@ import threading
 
 import torch
 
+from .. import pinned
 from ..streams import SimDelay, simulate_async
 
 
@@ -112,10 +113,11 @@ class LayerwiseUpdater:
         self._where: dict[int, tuple[int, int]] = {}
         # LAZYTRAIN_SIMULATE_ASYNC=1: the background update lags by seeded random delays (lazytrain_hf.streams)
         self._delay = SimDelay("optimizer") if overlap and simulate_async() else None
-        # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad)
-        self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad,
+        # the staging's registered block)
+        self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor, pinned.PinnedBlock]] = {}
         # Note: [Resident parameters are uploaded from pinned staging]: per resident parameter, its staging buffer
-        # in the parameter's dtype and the event of the last upload from it
+        # in the parameter's dtype, the event of the last upload from it and the buffer's registered block
         self._up_bufs: dict[str, list] = {}
         self._uploads: list = []  # events of the last run's resident uploads (the compute side waits for them)
         handle.fetch_guard = self.wait_layer
@@ -205,10 +207,12 @@ class LayerwiseUpdater:
             return None
         bufs = self._res_bufs.get(name)
         if bufs is None or bufs[0].shape != g.shape or bufs[0].dtype != g.dtype:
-            staging = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.handle.engine.is_cuda)
+            # exact-size and registered (Note: [Pinned blocks are registered, not cached] in streaming/store.py)
+            block = pinned.PinnedBlock(g.numel() * g.element_size(), True, "resident gradient staging")
+            staging = block.tensor.view(g.dtype).view(g.shape)
             host32 = staging if g.dtype == torch.float32 else torch.empty(g.shape, dtype=torch.float32)
-            bufs = self._res_bufs[name] = (staging, host32)
-        staging, host32 = bufs
+            bufs = self._res_bufs[name] = (staging, host32, block)
+        staging, host32 = bufs[:2]
         lane = lanes["d2h"]
         lane.hold(g)  # Note: [Gradient memory outlives its D2H copy] in streaming/engine.py
         ev = lane.copy(staging, g.detach(), after_compute=True)
@@ -235,8 +239,9 @@ class LayerwiseUpdater:
             return None
         entry = self._up_bufs.get(name)
         if entry is None or entry[0].shape != p.shape or entry[0].dtype != p.dtype:
-            entry = self._up_bufs[name] = [torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda), None]
-        buf, last = entry
+            block = pinned.PinnedBlock(p.numel() * p.element_size(), True, "resident upload staging")
+            entry = self._up_bufs[name] = [block.tensor.view(p.dtype).view(p.shape), None, block]
+        buf, last = entry[:2]
         if last is not None:
             if threading.current_thread() is threading.main_thread():
                 self.handle.trace.host_sync("resident upload staging")  # only without overlap
