@@ -28,6 +28,15 @@ Note: [Compute is synchronous in the simulation]
     overwritten after the compute side released it (`streaming/engine.py`, Note: [Slot reuse waits for the compute
     event]), which the simulation enforces with an error.
 
+Note: [Moving a parameter's data drops its gradient accumulator]
+    On CUDA, binding a streamed parameter to its slot (``param.data = slot_view``) and releasing it (back to the
+    host view) change the parameter's device, and ``VariableHooks::set_data`` (torch/csrc/autograd/variable.cpp)
+    then resets the parameter's gradient-accumulator weak reference: a parameter used, released and bound again
+    within one forward gets a second ``AccumulateGrad`` node, and its post-accumulate-grad hook fires once per node.
+    On the CPU the slot and the host copy share device and dtype, so `set_param_data` makes the simulation take a
+    dtype detour on every bind and release: the accumulator is reset exactly where CUDA resets it. Test:
+    ``tests/test_cuda_semantics_grad.py::test_simulated_bind_drops_the_grad_accumulator``.
+
 ``LAZYTRAIN_SIMULATE_ASYNC_SEED`` (default 0) seeds the delays; ``LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY`` (seconds,
 default 0.002) bounds them.
 """
@@ -103,6 +112,15 @@ def poison_after(t: torch.Tensor, ev: Any) -> None:
         ev.then(lambda: poison_(t))
     else:
         poison_(t)
+
+
+def set_param_data(param: torch.Tensor, data: torch.Tensor, simulated: bool) -> None:
+    """``param.data = data`` as a move between device and host. ``simulated``: the executor runs on simulated lanes,
+    so the move resets the gradient accumulator as a device change does on CUDA (Note: [Moving a parameter's data
+    drops its gradient accumulator])."""
+    if simulated:
+        param.data = torch.empty(0, dtype=torch.float32 if data.dtype == torch.float64 else torch.float64)
+    param.data = data
 
 
 class SimDelay:

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ..streams import set_param_data
 from .engine import Slot
 from .store import ALIGN_BYTES, LayerStore, _align
 
@@ -236,8 +237,10 @@ class ParameterBinder:
             self._fetch(i, urgent=True)
         self.engine.wait_ready(st.slot)  # Note: [Compute waits for the H2D event]
         buf = st.slot.buffer
+        sim = self.engine.simulated
         for e in st.store.entries:  # Note: [Parameters point at the host copy unless bound]
-            e.param.data = e.view_bytes(buf)
+            # Note: [Moving a parameter's data drops its gradient accumulator] in lazytrain_hf/streams.py
+            set_param_data(e.param, e.view_bytes(buf), sim)
         st.bound = True
 
     @contextlib.contextmanager
@@ -269,8 +272,9 @@ class ParameterBinder:
         if st.resident or st.slot is None:
             return
         if st.bound:
+            sim = self.engine.simulated
             for e in st.store.entries:
-                e.param.data = st.store.compute_views[e.name]
+                set_param_data(e.param, st.store.compute_views[e.name], sim)  # Note: [Moving a parameter's data ...]
             st.bound = False
         self.engine.release(st.slot)  # Note: [Slot reuse waits for the compute event]
         st.slot = None

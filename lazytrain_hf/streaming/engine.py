@@ -136,6 +136,9 @@ class TransferEngine:
         # None: synchronous CPU copies; else CUDA streams or the simulated asynchronous lanes
         self.lanes = lanes_for(self.device, ("h2d", "d2h"), "transfer")
         self.is_async = self.lanes is not None
+        # simulated lanes on the CPU (lazytrain_hf.streams): binding models CUDA's device moves (Note: [Moving a
+        # parameter's data drops its gradient accumulator])
+        self.simulated = self.is_async and not self.is_cuda
         self.pools: dict[str, list[Slot]] = {}
         self._free: dict[str, list[Slot]] = {}
         self._slot_bytes: dict[str, int] = {}

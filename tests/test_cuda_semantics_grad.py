@@ -1,0 +1,91 @@
+"""CUDA semantics the simulated asynchronous CPU engine models, and the executor defects they exposed (gradients,
+handles, background threads).
+
+Each simulation addition is checked against the mechanism it imitates (the test fails when the imitation is
+removed), and each defect has a regression test that failed before its fix.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_streaming import assert_grads_equal, padded_batch, plain_grads
+
+from lazytrain_hf import models
+from lazytrain_hf.planner.plan import Plan
+from lazytrain_hf.streaming import attach, chunked_causal_lm_loss
+from lazytrain_hf.streams import set_param_data
+
+CHUNK = 7
+
+
+def _accumulators(p: torch.Tensor, uses: int, rebind) -> set[int]:
+    """Ids of the AccumulateGrad nodes of ``p`` in a graph that uses it ``uses`` times, ``rebind`` in between."""
+    nodes = []
+    out = []
+    for k in range(uses):
+        if k:
+            rebind()
+        y = p * 2.0
+        nodes.append(y.grad_fn.next_functions[0][0])
+        out.append(y)
+    return {id(n) for n in nodes}
+
+
+def test_simulated_bind_drops_the_grad_accumulator():
+    """Note: [Moving a parameter's data drops its gradient accumulator]: under the simulation a release and a rebind
+    give the parameter a second AccumulateGrad node (as CUDA's set_data does on a device change); without it one."""
+    p = torch.nn.Parameter(torch.ones(4))
+    host, dev = torch.ones(4), torch.ones(4)
+
+    def move(sim: bool):
+        def rebind() -> None:
+            set_param_data(p, host, sim)  # release
+            set_param_data(p, dev, sim)  # bind again
+
+        return rebind
+
+    assert len(_accumulators(p, 2, move(sim=False))) == 1
+    assert len(_accumulators(p, 2, move(sim=True))) == 2
+    # the data really is the target (no copy, same storage)
+    set_param_data(p, dev, True)
+    assert p.data.data_ptr() == dev.data_ptr() and p.dtype == dev.dtype
+
+
+def _streamed_plan(model) -> Plan:
+    kinds = models.layer_kinds(model)
+    return Plan.default(len(kinds), kinds=kinds, stream_embeddings=True, loss_chunk_tokens=CHUNK)
+
+
+@pytest.mark.parametrize("path", ["chunked", "plain"])
+def test_tied_stream_embeddings_grads_sum_both_uses(async_engine, path):
+    """Defect: with tied embeddings and ``stream_embeddings`` the embedding is released after the lookup and bound
+    again for the lm_head; on CUDA (and under the simulation) the tied weight then has two AccumulateGrad nodes and
+    the unit completed on the head's part alone, leaving the lookup's part as a stray ``.grad``. Two micro-batches
+    of gradient accumulation against the unstreamed model."""
+    batches = [padded_batch(seed=1), padded_batch(seed=2)]
+    ref = tiny_model("qwen3", tie_word_embeddings=True)
+    model = tiny_model("qwen3", tie_word_embeddings=True)
+    handle = attach(model, plan=_streamed_plan(model), device="cpu")
+    for b in batches:
+        if path == "chunked":
+            h = ref.model(input_ids=b["input_ids"], attention_mask=b["attention_mask"]).last_hidden_state
+            want = chunked_causal_lm_loss(h, ref.lm_head.weight, b["labels"], chunk_tokens=CHUNK)
+            got = handle.causal_lm_loss(model, b)
+        else:
+            want, got = ref(**b).loss, model(**b).loss
+        (want / 2).backward()
+        (got / 2).backward()
+        assert torch.equal(got, want)
+        # nothing stays behind on the parameter for the next micro-batch
+        stray = model.model.embed_tokens.weight.grad
+        assert stray is None, f"a stray .grad (norm {stray.norm():.4f}) is left on the tied weight"
+    ref_g = plain_grads(ref)
+    got_g = handle.grads()
+    name = "model.embed_tokens.weight"
+    assert torch.allclose(got_g[name], ref_g[name], rtol=0, atol=1e-6), (
+        f"tied embedding gradient norm {got_g[name].norm():.4f}, unstreamed {ref_g[name].norm():.4f}"
+    )
+    assert_grads_equal(ref_g, got_g)
+    handle.remove()
