@@ -91,6 +91,10 @@ class _LayerState:
     bwd_started: bool = False
     expected: set[int] | None = None
     accumulated: set[int] = field(default_factory=set)
+    # Note: [A parameter may have several gradient accumulators] in completion.py: param id -> {node id: the
+    # AccumulateGrad node} found in this step's graph, and how many of them have fired
+    acc_nodes: dict[int, dict[int, object]] = field(default_factory=dict)
+    acc_hits: dict[int, int] = field(default_factory=dict)
     completed: bool = False
     device_grad_bytes: int = 0
 
@@ -98,6 +102,8 @@ class _LayerState:
         self.want_bwd = self.in_engine = self.input_rg = self.input_done = self.bwd_started = False
         self.expected = None
         self.accumulated = set()
+        self.acc_nodes = {}
+        self.acc_hits = {}
         self.completed = False
         self.device_grad_bytes = 0
 

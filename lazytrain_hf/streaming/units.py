@@ -52,8 +52,10 @@ class HeadUnits:
               input gradient computed), or right away when no backward goes through it (evaluate, generate);
             - tied embeddings (``lm_head.weight is embed_tokens.weight``): the shared parameter belongs to the
               embedding unit only (one master, one accumulator); the head stage binds that unit again and releases
-              it with the head. Autograd sums the two uses' gradients before the parameter's accumulation, so the
-              head's part waits on the device until the embedding's backward, exactly as with resident weights.
+              it with the head. Between the two uses the weight's data moved to the host and back, which on CUDA
+              gives it a second gradient accumulator: the head's part is accumulated into ``.grad`` first and waits
+              on the device until the lookup's part is added, and the unit completes on the sum (Note: [A parameter
+              may have several gradient accumulators] in completion.py).
         """
         root = self.root
         embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)
@@ -110,6 +112,9 @@ class HeadUnits:
         return args, kwargs
 
     def _embed_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        st = self._all[self.embed_key]
+        if st.expected is not None:
+            self._note_accumulators(output, st)  # Note: [A parameter may have several gradient accumulators]
         self._account()
         self._release(self.embed_key)
 
@@ -145,6 +150,10 @@ class HeadUnits:
         needs_bwd = st.expected is not None and isinstance(output, torch.Tensor) and output.requires_grad
         self._account()
         if needs_bwd:
+            if self._tied:
+                # the lm_head's use of the tied weight: a second accumulator on CUDA (Note: [A parameter may have
+                # several gradient accumulators] in completion.py)
+                self._note_accumulators(output, self._all[self.embed_key])
             return
         st.expected = None
         st.completed = True
