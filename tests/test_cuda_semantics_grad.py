@@ -89,3 +89,57 @@ def test_tied_stream_embeddings_grads_sum_both_uses(async_engine, path):
     )
     assert_grads_equal(ref_g, got_g)
     handle.remove()
+
+
+class _Owner:
+    """Stands for the trainer: holds the handle and gives it guards that are its own bound methods."""
+
+    def __init__(self, handle):
+        self.handle = handle
+        handle.fetch_guard = self.guard
+        handle.resident_guard = self.resident
+        handle.fetch_ready = self.ready
+        handle.last_micro_batch = self.last
+
+    def guard(self, i: int) -> None:
+        pass
+
+    def resident(self) -> None:
+        pass
+
+    def ready(self, i: int) -> bool:
+        return True
+
+    def last(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("owner", [False, True], ids=["handle", "trainer-guards"])
+def test_remove_leaves_no_reference_cycle(owner):
+    """Defect: `remove()` left a handle <-> activation-engine cycle (and trainer guards pointing back at their
+    owner), so the handle and every LayerStore (page-locked memory on CUDA) survived ``remove()`` + ``del`` until a
+    full garbage collection. With the collector disabled they must be freed by reference counting alone."""
+    import gc
+    import weakref
+
+    model = tiny_model("qwen3")
+    kinds = models.layer_kinds(model)
+    handle = attach(model, plan=Plan.default(len(kinds), kinds=kinds, stream_embeddings=True), device="cpu")
+    holder = _Owner(handle) if owner else None
+    model(**padded_batch()).loss.backward()
+    handle.zero_grad()
+    refs = [weakref.ref(handle)] + [weakref.ref(ls) for ls in handle.store.layers.values()]
+    gc.collect()
+    gc.disable()
+    try:
+        handle.remove()
+        del handle
+        if holder is not None:
+            holder.handle = None
+        alive = [r() for r in refs if r() is not None]
+        assert not alive, f"{len(alive)} of {len(refs)} objects survive remove() + del: {type(alive[0]).__name__}"
+    finally:
+        gc.enable()
+    # the model trains plainly afterwards
+    model(**padded_batch()).loss.backward()
+    assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
