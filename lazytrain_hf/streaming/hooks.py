@@ -155,7 +155,11 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
 
         # ---- phase 0: the activation engine first: its checks (NVMe directory, ...) fail before the model is touched
         if activation_engine is None:
-            activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
+            # a weak proxy: the engine must not keep the handle alive (a handle <-> engine cycle kept every host
+            # store, page-locked on CUDA, until a full garbage collection; Note: [remove() frees the host store])
+            activation_engine = ActivationEngine(
+                plan, device, nvme_dir=nvme_dir, param_packer=weakref.proxy(self), pin_memory=pin
+            )
         self.activations = activation_engine
         # the training state of the units in plan.state_nvme lives on NVMe (lazytrain_hf.streaming.nvmestate)
         self.nvme_state: NvmeState | None = None
@@ -434,6 +438,15 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.store.layers.clear()
         self.sq_norms.clear()
         self._callbacks.clear()
+        # Note: [remove() frees the host store]
+        #     Nothing the handle holds may point back at it once removed: the activation engine gets a weak proxy
+        #     of it, and the guards a trainer installed (its bound methods; the trainer holds the handle) are
+        #     dropped here. The host store (page-locked on CUDA) is then freed when the last reference to the
+        #     handle goes, not at the next full garbage collection. Test:
+        #     tests/test_cuda_semantics_grad.py::test_remove_leaves_no_reference_cycle.
+        self.fetch_guard = self.resident_guard = self.fetch_ready = None
+        self.grad_reducer = self.host_grad_reducer = None
+        self.last_micro_batch = True
         self._removed = True
         _ATTACHED.discard(self.model)
 
