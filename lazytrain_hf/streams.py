@@ -37,6 +37,15 @@ Note: [Moving a parameter's data drops its gradient accumulator]
     dtype detour on every bind and release: the accumulator is reset exactly where CUDA resets it. Test:
     ``tests/test_cuda_semantics_grad.py::test_simulated_bind_drops_the_grad_accumulator``.
 
+Note: [Every background worker stalls for longer than a forward]
+    Every simulated worker (each lane, the gradient worker of `streaming/engine.py`, the NVMe spill writer and
+    reader, the overlapped optimizer thread) draws its delays from a `SimDelay`. Besides the short delays, a share
+    of its jobs (``LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE``, default 0.02) stalls the worker for at least one
+    forward's length: 1.5x the last forward the executor timed (`note_forward`), and never less than
+    `_LONG_STALL_MIN_S`. A wait that is only "usually" unnecessary (work issued a whole layer or step earlier)
+    then fails a test instead of passing because the worker happened to be quick. Test:
+    ``tests/test_cuda_semantics_grad.py::test_gradient_worker_stalls_are_waited_for``.
+
 ``LAZYTRAIN_SIMULATE_ASYNC_SEED`` (default 0) seeds the delays; ``LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY`` (seconds,
 default 0.002) bounds them.
 """
@@ -56,11 +65,28 @@ import torch
 SIMULATE_ENV = "LAZYTRAIN_SIMULATE_ASYNC"
 SEED_ENV = "LAZYTRAIN_SIMULATE_ASYNC_SEED"
 MAX_DELAY_ENV = "LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY"
+STALL_SHARE_ENV = "LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE"
 
 # Shares of simulated jobs that run without any delay (a missing wait must also show when the copy is fast) and that
 # stall their lane for up to 10x the usual bound (a copy issued long before its use must still be waited for).
 _NO_DELAY_SHARE = 0.25
 _STALL_SHARE = 0.05
+# Note: [Every background worker stalls for longer than a forward]: default share of jobs that stall their worker for
+# at least one forward, and the least such stall (a tiny test model's forward takes ~20-25 ms under the simulation)
+_LONG_STALL_SHARE = 0.02
+_LONG_STALL_MIN_S = 0.05
+_last_forward_s = 0.0
+
+
+def note_forward(seconds: float) -> None:
+    """The executor timed a forward (simulation only): long stalls last at least this long."""
+    global _last_forward_s
+    _last_forward_s = float(seconds)
+
+
+def long_stall_s() -> float:
+    """How long a long stall lasts now (Note: [Every background worker stalls for longer than a forward])."""
+    return max(_LONG_STALL_MIN_S, 1.5 * _last_forward_s)
 
 
 def simulate_async() -> bool:
@@ -91,6 +117,17 @@ def _sim_max_delay() -> float:
         raise ValueError(f"{MAX_DELAY_ENV}={raw!r} must be a number of seconds (e.g. 0.002).") from e
     if not 0 <= value <= 1:
         raise ValueError(f"{MAX_DELAY_ENV}={raw!r} must be in [0, 1] seconds.")
+    return value
+
+
+def _sim_stall_share() -> float:
+    raw = os.environ.get(STALL_SHARE_ENV, str(_LONG_STALL_SHARE))
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ValueError(f"{STALL_SHARE_ENV}={raw!r} must be a share of jobs in [0, 1] (e.g. 0.02).") from e
+    if not 0 <= value <= 1:
+        raise ValueError(f"{STALL_SHARE_ENV}={raw!r} must be a share of jobs in [0, 1] (e.g. 0.02).")
     return value
 
 
@@ -127,14 +164,21 @@ class SimDelay:
     """Seeded random delays of one simulated worker (a lane, the optimizer's thread)."""
 
     def __init__(self, name: str):
+        self.name = name
         self._rng = random.Random(f"{_sim_seed()}:{name}")
         self._max = _sim_max_delay()
+        self._long_share = _sim_stall_share()
         self._lock = threading.Lock()
+        self.long_stalls = 0  # how many long stalls this worker took (tests read it)
 
     def sleep(self) -> None:
         with self._lock:
             r = self._rng.random()
-            if r < _NO_DELAY_SHARE:
+            if self._rng.random() < self._long_share:
+                # Note: [Every background worker stalls for longer than a forward]
+                d = long_stall_s()
+                self.long_stalls += 1
+            elif r < _NO_DELAY_SHARE:
                 d = 0.0
             elif r < _NO_DELAY_SHARE + _STALL_SHARE:
                 d = self._rng.uniform(self._max, 10 * self._max)

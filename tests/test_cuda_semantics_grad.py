@@ -143,3 +143,34 @@ def test_remove_leaves_no_reference_cycle(owner):
     # the model trains plainly afterwards
     model(**padded_batch()).loss.backward()
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
+
+
+def _every_job_stalls(monkeypatch) -> None:
+    """Note: [Every background worker stalls for longer than a forward]: every simulated job stalls its worker."""
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC", "1")
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "1")
+
+
+def test_stall_share_is_checked(monkeypatch):
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "2")
+    from lazytrain_hf.streams import SimDelay
+
+    with pytest.raises(ValueError, match="LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE='2' must be a share of jobs in"):
+        SimDelay("x")
+
+
+def test_gradient_worker_stalls_are_waited_for(monkeypatch):
+    """The gradient worker (host additions after each D2H copy) stalls for longer than a forward on every job; the
+    accumulated gradients of two micro-batches must still be exact (`grads()` drains the worker first)."""
+    _every_job_stalls(monkeypatch)
+    batches = [padded_batch(seed=1), padded_batch(seed=2)]
+    ref = tiny_model("qwen3")
+    model = tiny_model("qwen3")
+    handle = attach(model, device="cpu")
+    assert handle.engine._worker.delay is not None
+    for b in batches:
+        (ref(**b).loss / 2).backward()
+        (model(**b).loss / 2).backward()
+    assert_grads_equal(plain_grads(ref), handle.grads())
+    assert handle.engine._worker.delay.long_stalls > 0
+    handle.remove()

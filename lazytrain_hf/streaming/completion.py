@@ -26,6 +26,7 @@ Note: [A parameter may have several gradient accumulators]
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -57,6 +58,7 @@ class CompletionTracker:
         if self._phase != "idle":
             self._abort_step()
         self._step_id += 1
+        self._forward_t0 = time.perf_counter()  # the simulation's long stalls last a forward (`note_forward`)
         self._embed_began = False
         self._phase = "forward"
         self._grad_step = torch.is_grad_enabled()

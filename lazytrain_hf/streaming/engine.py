@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from ..streams import lanes_for, poison_
+from ..streams import SimDelay, lanes_for, poison_
 from .trace import Trace
 
 # Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
@@ -147,7 +147,11 @@ class TransferEngine:
         self._host_read: dict[int, torch.cuda.Event] = {}
         self._grad_events: dict[int, Any] = {}  # layer -> its last gradient D2H copy (Note: [Two stages of ...])
         self._pending: list[torch.cuda.Event] = []
-        self._worker: _HostWorker | None = _HostWorker() if self.is_async else None
+        # the gradient worker; simulated, it stalls like a lane (Note: [Every background worker stalls for longer
+        # than a forward] in lazytrain_hf/streams.py)
+        self._worker: _HostWorker | None = (
+            _HostWorker(SimDelay("grad-worker") if self.simulated else None) if self.is_async else None
+        )
         self.fetch_count = 0
         self.fetch_bytes = 0
         self.trace = Trace(device=self.device)
@@ -439,9 +443,10 @@ class _HostWorker:
     Exceptions raised by the work are re-raised by the next `drain`.
     """
 
-    def __init__(self):
+    def __init__(self, delay: SimDelay | None = None):
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self.delay = delay
         self._thread = threading.Thread(target=self._run, name="lazytrain-stream-host", daemon=True)
         self._thread.start()
 
@@ -452,6 +457,8 @@ class _HostWorker:
                 if fn is None:
                     return
                 if self._error is None:
+                    if self.delay is not None:
+                        self.delay.sleep()
                     fn()
             except BaseException as e:  # surfaced on the caller's thread by drain()
                 self._error = e

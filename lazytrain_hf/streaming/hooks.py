@@ -26,6 +26,7 @@ executor's device-memory accounting, the chunked loss entry point and `attach`.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -36,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import models
+from .. import models, streams
 from ..activations import ActivationEngine
 from ..planner.plan import Plan
 from .binder import RESIDENT_TRAINABLE_FRACTION, ParameterBinder, hf_root
@@ -141,6 +142,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self._removed = False
         # step state
         self._step_id = 0
+        self._forward_t0 = time.perf_counter()
         self._phase = "idle"  # "forward" | "backward" | "idle"
         self._grad_step = False
         self._stage = -1
@@ -308,6 +310,9 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         else:
             self._release(i)
         if i == self.num_layers - 1:
+            if self.engine.simulated:
+                # Note: [Every background worker stalls for longer than a forward] in lazytrain_hf/streams.py
+                streams.note_forward(time.perf_counter() - self._forward_t0)
             self._run_stages(self.num_layers)  # stage H starts
         return output
 
