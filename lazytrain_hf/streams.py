@@ -41,8 +41,10 @@ Note: [Every background worker stalls for longer than a forward]
     Every simulated worker (each lane, the gradient worker of `streaming/engine.py`, the NVMe spill writer and
     reader, the overlapped optimizer thread) draws its delays from a `SimDelay`. Besides the short delays, a share
     of its jobs (``LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE``, default 0.02) stalls the worker for at least one
-    forward's length: 1.5x the last forward the executor timed (`note_forward`), and never less than
-    `_LONG_STALL_MIN_S`. A wait that is only "usually" unnecessary (work issued a whole layer or step earlier)
+    forward's length: 1.5x the last forward the executor timed (`note_forward`), within `_LONG_STALL_MIN_S` and
+    `_LONG_STALL_MAX_S` (a forward that itself waited on a stall must not lengthen the next stall without bound).
+    ``LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS`` (comma-separated name prefixes, e.g. ``optimizer,grad-worker``;
+    default: every worker) limits the long stalls to some workers. A wait that is only "usually" unnecessary (work issued a whole layer or step earlier)
     then fails a test instead of passing because the worker happened to be quick. Test:
     ``tests/test_cuda_semantics_grad.py::test_gradient_worker_stalls_are_waited_for``.
 
@@ -66,6 +68,7 @@ SIMULATE_ENV = "LAZYTRAIN_SIMULATE_ASYNC"
 SEED_ENV = "LAZYTRAIN_SIMULATE_ASYNC_SEED"
 MAX_DELAY_ENV = "LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY"
 STALL_SHARE_ENV = "LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE"
+STALL_WORKERS_ENV = "LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS"
 
 # Shares of simulated jobs that run without any delay (a missing wait must also show when the copy is fast) and that
 # stall their lane for up to 10x the usual bound (a copy issued long before its use must still be waited for).
@@ -75,6 +78,7 @@ _STALL_SHARE = 0.05
 # at least one forward, and the least such stall (a tiny test model's forward takes ~20-25 ms under the simulation)
 _LONG_STALL_SHARE = 0.02
 _LONG_STALL_MIN_S = 0.05
+_LONG_STALL_MAX_S = 0.25
 _last_forward_s = 0.0
 
 
@@ -86,7 +90,7 @@ def note_forward(seconds: float) -> None:
 
 def long_stall_s() -> float:
     """How long a long stall lasts now (Note: [Every background worker stalls for longer than a forward])."""
-    return max(_LONG_STALL_MIN_S, 1.5 * _last_forward_s)
+    return min(_LONG_STALL_MAX_S, max(_LONG_STALL_MIN_S, 1.5 * _last_forward_s))
 
 
 def simulate_async() -> bool:
@@ -120,7 +124,10 @@ def _sim_max_delay() -> float:
     return value
 
 
-def _sim_stall_share() -> float:
+def _sim_stall_share(name: str) -> float:
+    workers = [w.strip() for w in os.environ.get(STALL_WORKERS_ENV, "").split(",") if w.strip()]
+    if workers and not any(name.startswith(w) for w in workers):
+        return 0.0
     raw = os.environ.get(STALL_SHARE_ENV, str(_LONG_STALL_SHARE))
     try:
         value = float(raw)
@@ -167,7 +174,7 @@ class SimDelay:
         self.name = name
         self._rng = random.Random(f"{_sim_seed()}:{name}")
         self._max = _sim_max_delay()
-        self._long_share = _sim_stall_share()
+        self._long_share = _sim_stall_share(name)
         self._lock = threading.Lock()
         self.long_stalls = 0  # how many long stalls this worker took (tests read it)
 

@@ -145,10 +145,11 @@ def test_remove_leaves_no_reference_cycle(owner):
     assert all(p.grad is not None for p in model.parameters() if p.requires_grad)
 
 
-def _every_job_stalls(monkeypatch) -> None:
-    """Note: [Every background worker stalls for longer than a forward]: every simulated job stalls its worker."""
+def _every_job_stalls(monkeypatch, workers: str) -> None:
+    """Note: [Every background worker stalls for longer than a forward]: every job of ``workers`` stalls."""
     monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC", "1")
     monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "1")
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS", workers)
 
 
 def test_stall_share_is_checked(monkeypatch):
@@ -162,7 +163,7 @@ def test_stall_share_is_checked(monkeypatch):
 def test_gradient_worker_stalls_are_waited_for(monkeypatch):
     """The gradient worker (host additions after each D2H copy) stalls for longer than a forward on every job; the
     accumulated gradients of two micro-batches must still be exact (`grads()` drains the worker first)."""
-    _every_job_stalls(monkeypatch)
+    _every_job_stalls(monkeypatch, "grad-worker")
     batches = [padded_batch(seed=1), padded_batch(seed=2)]
     ref = tiny_model("qwen3")
     model = tiny_model("qwen3")
@@ -174,3 +175,29 @@ def test_gradient_worker_stalls_are_waited_for(monkeypatch):
     assert_grads_equal(plain_grads(ref), handle.grads())
     assert handle.engine._worker.delay.long_stalls > 0
     handle.remove()
+
+
+def test_optimizer_thread_stalls_are_waited_for(monkeypatch):
+    """The overlapped optimizer thread stalls for longer than a forward on every layer's update: the next forward
+    must still wait for each layer's update (Note: [Update before fetch]) and the run stay bit-exact."""
+    from test_plan_space import assert_bit_exact, keep_all_plan, reference, train_plan
+
+    from lazytrain_hf import streams
+
+    kinds = models.layer_kinds(tiny_model("qwen3").config)
+    ref = reference("qwen3", False, 1024, 1, torch.float32)
+    _every_job_stalls(monkeypatch, "optimizer")
+    plan = keep_all_plan(kinds, False, 1024)
+    plan.optimizer_overlap = True
+    stalls = []
+    real = streams.SimDelay.sleep
+
+    def sleep(self):
+        if self.name == "optimizer":
+            stalls.append(streams.long_stall_s())
+        real(self)
+
+    monkeypatch.setattr(streams.SimDelay, "sleep", sleep)
+    got = train_plan("qwen3", plan, 1, torch.float32, simulate=True)
+    assert stalls and min(stalls) >= 0.05
+    assert_bit_exact(got, ref, "optimizer overlap, every update stalled")
