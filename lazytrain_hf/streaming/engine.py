@@ -90,7 +90,7 @@ from typing import Any
 
 import torch
 
-from ..streams import SimDelay, lanes_for, poison_
+from ..streams import SimDelay, background_worker, lanes_for, on_step_path, poison_
 from .trace import Trace
 
 # Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
@@ -285,7 +285,7 @@ class TransferEngine:
         """
         ev = self._host_read.pop(layer, None)
         if ev is not None:
-            if threading.current_thread() is threading.main_thread():
+            if on_step_path():  # the training or autograd thread, not the optimizer's (Note: [Backward runs on ...])
                 self.trace.host_sync("wait_host_reads")
             ev.synchronize()
 
@@ -451,6 +451,10 @@ class _HostWorker:
         self._thread.start()
 
     def _run(self) -> None:
+        with background_worker():  # its waits do not stall the step (Note: [Backward runs on another thread])
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             fn = self._q.get()
             try:

@@ -196,6 +196,10 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 self.nvme_state.close()
             raise
         self.store.on_add = None
+        # Note: [Backward runs on another thread] (a test profile of the simulation)
+        self._autograd_thread = self.engine.simulated and streams.simulate_autograd_thread()
+        if self._autograd_thread:
+            streams.install_autograd_thread()
 
         # ---- phase 4: hooks ----
         for st in self._layers:
@@ -452,6 +456,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.fetch_guard = self.resident_guard = self.fetch_ready = None
         self.grad_reducer = self.host_grad_reducer = None
         self.last_micro_batch = True
+        if self._autograd_thread:
+            streams.uninstall_autograd_thread()
         self._removed = True
         _ATTACHED.discard(self.model)
 
