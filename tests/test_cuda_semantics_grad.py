@@ -7,6 +7,8 @@ removed), and each defect has a regression test that failed before its fix.
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -234,3 +236,67 @@ def test_nvme_writer_stalls_are_waited_for(monkeypatch, tmp_path):
     assert not bad, f"{len(bad)} gradients differ, first {bad[:3]}"
     assert _long_stalls(delays, "nvme-write") > 0 and _long_stalls(delays, "nvme-read") == 0
     handle.remove()
+
+
+def _backward_syncs(monkeypatch, tmp_path, autograd_thread: bool) -> tuple[dict[str, int], set[str]]:
+    """One step with an on-demand NVMe reload whose read stalls: the unpack in backward blocks the host."""
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_AUTOGRAD_THREAD", "1" if autograd_thread else "0")
+    _every_job_stalls(monkeypatch, "nvme-read")
+    ids = torch.randint(0, 128, (2, 10), generator=torch.Generator().manual_seed(1))
+    model = tiny_model("qwen3")
+    plan = Plan.default(4, models.layer_kinds(model.config))
+    plan.layers[1].policy = "offload_nvme"
+    plan.layers[1].reload_ahead = 0  # read when unpacked: the backward waits for it
+    nvme = tmp_path / str(autograd_thread)
+    nvme.mkdir()
+    handle = attach(model, plan.validate(), "cpu", nvme_dir=str(nvme))
+    threads: set[str] = set()
+    p = model.model.layers[0].mlp.down_proj.weight
+    hook = p.register_post_accumulate_grad_hook(lambda _: threads.add(threading.current_thread().name))
+    model(input_ids=ids, labels=ids).loss.backward()
+    reasons = dict(handle.trace.current["sync_reasons"])
+    hook.remove()
+    handle.remove()
+    return reasons, threads
+
+
+def test_backward_on_the_autograd_thread_counts_its_host_syncs(monkeypatch, tmp_path):
+    """Note: [Backward runs on another thread]: under the profile, backward hooks run on the simulated autograd
+    thread, and a host wait there (an NVMe read the backward needs) is counted as the step's host sync just as on the
+    training thread. (Counting only the main thread's syncs missed every wait in a CUDA backward.)"""
+    base, base_threads = _backward_syncs(monkeypatch, tmp_path, autograd_thread=False)
+    got, got_threads = _backward_syncs(monkeypatch, tmp_path, autograd_thread=True)
+    assert base_threads == {threading.main_thread().name}
+    assert got_threads == {"lazytrain-sim-autograd"}
+    assert base.get("activations: unpack waits for an NVMe read", 0) > 0, base
+    assert got == base
+    assert torch.autograd.backward.__module__ == "torch.autograd"  # the profile is undone by remove()
+
+
+def test_optimizer_thread_orders_uploads_after_the_training_threads_compute(monkeypatch):
+    """Resident parameters' uploads are issued on the optimizer thread, whose current CUDA stream is not the training
+    thread's: they must be ordered after an event the training thread recorded, never `after_compute` (which the
+    simulation refuses off the training and autograd threads)."""
+    from test_plan_space import assert_bit_exact, reference, resident_plan, train_plan
+
+    from lazytrain_hf.streams import Lanes
+
+    kinds = models.layer_kinds(tiny_model("qwen3").config)
+    ref = reference("qwen3", False, 1024, 1, torch.float32)
+    got = train_plan("qwen3", resident_plan(kinds, overlap=True), 1, torch.float32, simulate=True)
+    assert_bit_exact(got, ref, "resident layers, optimizer overlap")
+    # the check itself: a compute-stream call from a thread of its own is refused
+    lanes = Lanes(torch.device("cpu"), ("h2d",), "test")
+    errors: list[BaseException] = []
+
+    def other_thread() -> None:
+        try:
+            lanes.compute_event()
+        except RuntimeError as e:
+            errors.append(e)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    t.join()
+    lanes.close()
+    assert errors and "whose current CUDA stream is the default stream" in str(errors[0])
