@@ -301,3 +301,133 @@ def test_optimizer_thread_orders_uploads_after_the_training_threads_compute(monk
     t.join()
     lanes.close()
     assert errors and "whose current CUDA stream is the default stream" in str(errors[0])
+
+
+# ------------------------------------------------------------------------------------------ smaller CUDA semantics
+def test_numba_kernels_release_the_gil():
+    """The optimizer thread's numba kernels run while the training thread drives the next forward: they must not
+    hold the GIL (``nogil=True``), or every hook and kernel launch of that forward waits for the whole update."""
+    from lazytrain_hf.optim import kernels
+
+    if not kernels.NUMBA_AVAILABLE:
+        pytest.skip("numba is not installed")
+    for fn in (kernels._update_blocks, kernels._adamw8bit_parallel):
+        assert fn.targetoptions.get("nogil") is True, fn
+
+
+def test_host_waits_use_blocking_events(monkeypatch):
+    """Events the host may wait on are created with ``blocking=True`` (a default CUDA event's synchronize spins a
+    core). Checked on the CUDA lane code with the torch.cuda entry points it calls replaced by recorders."""
+    import contextlib
+
+    from lazytrain_hf.streams import CudaLane, Lanes
+
+    made = []
+
+    class Event:
+        def __init__(self, **kw):
+            made.append(kw)
+
+        def record(self, stream=None):
+            pass
+
+    class Stream:
+        def __init__(self, *a, **k):
+            pass
+
+        def wait_event(self, ev):
+            pass
+
+        def wait_stream(self, s):
+            pass
+
+    monkeypatch.setattr(torch.cuda, "Event", Event)
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "device", lambda d: contextlib.nullcontext())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    dev = torch.device("cuda", 0)
+    dst, src = torch.zeros(4), torch.ones(4)
+    CudaLane(dev).copy_all([(dst, src)], after_compute=True)
+    lanes = Lanes(dev, ("h2d",), "test")
+    lanes.compute_event()
+    assert torch.equal(dst, src)
+    assert made == [{"blocking": True}, {"blocking": True}], made
+
+
+def test_stream_embeddings_moves_every_model_input_to_the_device():
+    """With ``stream_embeddings`` ``model.device`` reads as the host (the embedding's host copy), so generate() builds
+    every input there: the handle moves each tensor argument of the model's forward (attention mask, position ids,
+    cache positions), not only the input ids. The root's pre-hook is called with the handle's device pointed at
+    ``meta`` (the only other device a CPU build has), the inputs on the CPU."""
+    model = tiny_model("qwen3", tie_word_embeddings=True)
+    before = set(model._forward_pre_hooks)
+    handle = attach(model, plan=_streamed_plan(model), device="cpu")
+    added = [h for k, h in model._forward_pre_hooks.items() if k not in before]
+    assert len(added) == 1, "no pre-hook on the model's forward"
+    ids, mask = torch.ones(1, 3, dtype=torch.long), torch.ones(1, 3, dtype=torch.long)
+    kwargs = {"attention_mask": mask, "position_ids": [ids], "cache": {"pos": ids}, "use_cache": False}
+    handle.device = torch.device("meta")
+    try:
+        args, out = added[0](model, (ids,), kwargs)
+    finally:
+        handle.device = torch.device("cpu")
+    assert args[0].device.type == "meta"
+    assert out["attention_mask"].device.type == out["position_ids"][0].device.type == "meta"
+    assert out["cache"]["pos"].device.type == "meta" and out["use_cache"] is False
+    from lazytrain_hf.streaming.units import inputs_to_device
+
+    # already there: the same tensor, no copy
+    same = inputs_to_device((ids,), {}, torch.device("cpu"))[0][0]
+    assert same is ids
+    with torch.no_grad():
+        assert model.generate(ids, max_new_tokens=2, do_sample=False, pad_token_id=0).shape == (1, 5)
+    handle.remove()
+
+
+def test_zero_grad_while_the_optimizer_thread_uploads(async_engine):
+    """`TransferEngine.synchronize` (zero_grad, grads) filters the fetch events while the optimizer thread may insert
+    one (an upload of a resident layer). An event whose ``query`` lets another thread upload meanwhile stands for
+    that interleaving: the filtering must not see the dict change under it."""
+    from lazytrain_hf.streaming.engine import TransferEngine
+    from lazytrain_hf.streams import SimEvent
+
+    engine = TransferEngine(torch.device("cpu"))
+    engine.add_pool("layer", 256, 1)
+    slot = engine.acquire("layer", urgent=False)
+    src = torch.zeros(64, dtype=torch.uint8)
+    inserted = threading.Event()
+
+    class RacingEvent(SimEvent):
+        def query(self) -> bool:
+            def upload() -> None:
+                engine.upload(slot, src, layer=7)
+                inserted.set()
+
+            threading.Thread(target=upload, daemon=True).start()
+            inserted.wait(1.0)  # an unguarded dict is changed within this second; a locked one only after
+            return True
+
+    engine.copy_in(slot, src, layer=3)
+    engine.mark_released(slot)
+    engine._host_read[3] = RacingEvent(done=True)
+    engine.synchronize()
+    assert inserted.wait(10)
+    engine.wait_host_reads(7)
+    engine.close()
+
+
+def test_first_fill_of_a_slot_waits_for_compute(async_engine):
+    """A new slot's memory comes from the caching allocator on the compute stream, which may still have kernels
+    queued on it: its first fill is ordered after a compute event like every refill, and the simulation refuses a
+    copy into a slot that is not."""
+    from lazytrain_hf.streaming.engine import TransferEngine
+
+    engine = TransferEngine(torch.device("cpu"))
+    engine.add_pool("layer", 256, 2)
+    slots = [engine.acquire("layer", urgent=False) for _ in range(2)] + [engine.dedicated_slot("layer", 256)]
+    assert all(s.released is not None for s in slots), [s.released for s in slots]
+    slots[0].released = None
+    with pytest.raises(RuntimeError, match="not ordered after the compute stream"):
+        engine.copy_in(slots[0], torch.zeros(16, dtype=torch.uint8), layer=0)
+    engine.close()
