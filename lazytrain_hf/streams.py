@@ -458,7 +458,7 @@ class CudaLane:
                         self.stream.wait_event(e)
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(blocking=True)  # the host may wait on it: sleep, do not spin a core
                 ev.record(self.stream)
         return ev
 
@@ -513,7 +513,7 @@ class Lanes:
         if self.simulated:
             check_compute_thread(self.compute_thread, "compute_event")
             return SimEvent(done=True)  # Note: [Compute is synchronous in the simulation]
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)  # a host wait on it sleeps instead of spinning a core
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 

@@ -145,6 +145,7 @@ class TransferEngine:
         self.by_ptr: dict[int, Slot] = {}
         self.grown: dict[str, int] = {}
         self._host_read: dict[int, torch.cuda.Event] = {}
+        self._host_read_lock = threading.Lock()  # the training and the optimizer thread both read and write it
         self._grad_events: dict[int, Any] = {}  # layer -> its last gradient D2H copy (Note: [Two stages of ...])
         self._pending: list[torch.cuda.Event] = []
         # the gradient worker; simulated, it stalls like a lane (Note: [Every background worker stalls for longer
@@ -165,6 +166,10 @@ class TransferEngine:
     def _new_slot(self, kind: str, nbytes: int, pooled: bool) -> Slot:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         slot = Slot(kind=kind, buffer=buf, pooled=pooled)
+        if self.is_async:
+            # the buffer comes from the caching allocator on the compute stream, whose queued kernels may still use
+            # that memory: the first fill waits for them like a refill (Note: [Slot reuse waits for the compute event])
+            slot.released = self.lanes.compute_event()
         self.by_ptr[slot.storage_ptr] = slot
         return slot
 
@@ -257,6 +262,12 @@ class TransferEngine:
                 "bound and has not released; it could overwrite weights queued kernels still read. See Note: [Slot "
                 "reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
             )
+        if self.simulated and slot.released is None:
+            raise RuntimeError(
+                f"lazytrain_hf streaming: a copy of layer {layer} into a {slot.kind!r} slot that is not ordered after "
+                "the compute stream (slot.released is None); its memory may still be in use by queued kernels. See "
+                "Note: [Slot reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
+            )
         slot.owner = layer
         self.fetch_count += 1
         self.fetch_bytes += n
@@ -267,8 +278,9 @@ class TransferEngine:
             return
         # Note: [Slot reuse waits for the compute event]
         slot.ready = self.lanes["h2d"].copy(dst, src_bytes, after=(slot.released,))
-        # Note: [Host compute copy is not rewritten while a fetch reads it]
-        self._host_read[layer] = slot.ready
+        # Note: [Host compute copy is not rewritten while a fetch reads it]; the optimizer thread uploads too
+        with self._host_read_lock:
+            self._host_read[layer] = slot.ready
 
     def wait_ready(self, slot: Slot) -> None:
         """Make the compute stream wait for the slot's fetch before it uses the slot. See Note: [Compute waits for
@@ -283,7 +295,8 @@ class TransferEngine:
 
         See Note: [Host compute copy is not rewritten while a fetch reads it].
         """
-        ev = self._host_read.pop(layer, None)
+        with self._host_read_lock:
+            ev = self._host_read.pop(layer, None)
         if ev is not None:
             if on_step_path():  # the training or autograd thread, not the optimizer's (Note: [Backward runs on ...])
                 self.trace.host_sync("wait_host_reads")
@@ -383,7 +396,8 @@ class TransferEngine:
         # A fetch whose layer computed since has been read: the compute waited for it, and the gradient copies just
         # waited for are ordered after that compute. Forgetting those events (a non-blocking query) spares the
         # optimizer a host synchronisation per layer in `wait_host_reads`.
-        self._host_read = {k: ev for k, ev in self._host_read.items() if not ev.query()}
+        with self._host_read_lock:  # the optimizer thread may be inserting (an upload of a resident layer)
+            self._host_read = {k: ev for k, ev in self._host_read.items() if not ev.query()}
 
     def close(self) -> None:
         if self._worker is not None:
@@ -396,7 +410,8 @@ class TransferEngine:
         self.pools.clear()
         self._free.clear()
         self.by_ptr.clear()
-        self._host_read.clear()
+        with self._host_read_lock:
+            self._host_read.clear()
 
 
 def _align256(n: int) -> int:

@@ -22,6 +22,25 @@ from .completion import _Boundary
 EMBED_KEY = -1
 
 
+def inputs_to_device(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    """Every tensor among ``args`` and ``kwargs`` (and inside plain lists, tuples and dicts there) on ``device``.
+
+    With ``stream_embeddings`` the model's first parameter is the embedding's host copy while unbound, so
+    ``model.device`` reads as the host and ``generate()`` builds its inputs there (input ids, attention mask, position
+    ids, cache positions): all of them go to the compute device before the forward."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device) if x.device != device else x
+        if type(x) in (list, tuple):
+            return type(x)(move(v) for v in x)
+        if type(x) is dict:
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    return move(args), move(kwargs)
+
+
 class HeadUnits:
     """`StreamHandle`'s embedding and head units (see the module docstring)."""
 
@@ -87,6 +106,8 @@ class HeadUnits:
             streamed_ids.update(id(p) for p in params)
 
     def _install_unit_hooks(self) -> None:
+        # generate() puts its inputs on `model.device`, the embedding's host copy while unbound
+        self._hooks.append(self.root.register_forward_pre_hook(self._inputs_pre_forward, with_kwargs=True))
         self._hooks.append(self._embed_module.register_forward_pre_hook(self._embed_pre_forward, with_kwargs=True))
         self._hooks.append(
             self._embed_module.register_forward_hook(self._embed_post_forward, with_kwargs=True, always_call=True)
@@ -99,6 +120,9 @@ class HeadUnits:
             for p in st.trainable.values():
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(key)))
 
+    def _inputs_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return inputs_to_device(args, kwargs, self.device)
+
     def _embed_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._begin_step()
         self._embed_began = True
@@ -106,10 +130,8 @@ class HeadUnits:
         self._bind(self.embed_key)
         if self._grad_step and torch.is_grad_enabled() and st.trainable:
             st.expected = set(st.trainable)
-        # generate() puts input ids on `model.device`, the first parameter's: the host copy while unbound
-        if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
-            args = (args[0].to(self.device), *args[1:])
-        return args, kwargs
+        # the embedding called on its own (not through the model's forward)
+        return inputs_to_device(args, kwargs, self.device)
 
     def _embed_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         st = self._all[self.embed_key]
