@@ -395,8 +395,11 @@ def section_cuda_semantics(device: torch.device, dry_run: bool, names: list[str]
             log(f"   {name:<28} skipped (time budget spent)")
             continue
         t0 = time.perf_counter()
+        # the dry run: every case on the simulated asynchronous engine (plan-space runs set it per run themselves)
+        sim = _env(LAZYTRAIN_SIMULATE_ASYNC="1") if device.type == "cpu" else contextlib.nullcontext()
         try:
-            row = {"status": "ok", **CASE_FNS[name](device, dry_run)}
+            with sim:
+                row = {"status": "ok", **CASE_FNS[name](device, dry_run)}
         except Exception as e:  # a failing case is a result; the others still run
             row = {"status": "error", "ok": False, "error": f"{type(e).__name__}: {e}",
                    "traceback": traceback.format_exc()}  # fmt: skip
