@@ -1,4 +1,4 @@
-"""The ``cuda_semantics`` section of ``gpu_check.py``: the CUDA behaviours the CPU suite only imitates, checked on a GPU.
+"""The ``cuda_semantics`` section of ``gpu_check.py``: the CUDA behaviours the CPU suite only imitates, on a GPU.
 
 Run by ``gpu_check.py`` after the plan-space section (``--skip-cuda-semantics`` leaves it out,
 ``--only-cuda-semantics`` runs just it, ``--cuda-semantics-cases a,b`` a subset). Cases (`CASES`), each guarded
@@ -143,8 +143,13 @@ def case_state_nvme_grad_accum(device: torch.device, dry_run: bool) -> dict[str,
     cmp = base.compare_runs(run, ref)
     tol = base.PLAN_SPACE_RTOL[torch.float32]
     ok = cmp["bit_exact"] if deterministic else cmp["max_loss_rel_err"] <= tol and cmp["weights_rel_l2"] <= tol
-    return {"ok": bool(ok), "reference_deterministic": deterministic, "vs_reference": cmp,
-            "step_time_s": run["step_time_s"], "plan": "state_nvme=[1, 2], gradient accumulation 2, overlap on"}  # fmt: skip
+    return {
+        "ok": bool(ok),
+        "reference_deterministic": deterministic,
+        "vs_reference": cmp,
+        "step_time_s": run["step_time_s"],
+        "plan": "state_nvme=[1, 2], gradient accumulation 2, overlap on",
+    }
 
 
 def case_tied_stream_embeddings(device: torch.device, dry_run: bool) -> dict[str, Any]:
@@ -160,7 +165,9 @@ def case_tied_stream_embeddings(device: torch.device, dry_run: bool) -> dict[str
     if not models.ties_embeddings(model):
         raise RuntimeError("tied_stream_embeddings: the model built from the tied config is not tied")
     kinds = models.layer_kinds(cfg)
-    plan = Plan.default(len(kinds), kinds, micro_batch_size=sz["micro_batch"], seq_len=sz["seq"], stream_embeddings=True)
+    plan = Plan.default(
+        len(kinds), kinds, micro_batch_size=sz["micro_batch"], seq_len=sz["seq"], stream_embeddings=True
+    )
     handle = attach(model, plan=plan, device=device)
     stray = []
     try:
@@ -412,7 +419,8 @@ def section_cuda_semantics(device: torch.device, dry_run: bool, names: list[str]
         log(f"   {name:<28} {'ok' if row.get('ok') else 'FAILED':<7} {row['seconds']:>7.1f} s  {detail}"[:300])
         if name == "gpu_lag" and row["status"] == "ok":
             for n, r in row["cases"].items():
-                log(f"      {n:<20} {'ok' if r['ok'] else 'FAILED'} {'exact' if r['bit_exact'] else ''} {r['error'] or ''}")
+                exact = "exact" if r["bit_exact"] else ""
+                log(f"      {n:<20} {'ok' if r['ok'] else 'FAILED'} {exact} {r['error'] or ''}")
     out["ok"] = all(r.get("ok") is not False for r in out["cases"].values())
     return out
 

@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from .. import streams
+from .. import streams, threads
 from .accounting import Accountant
 from .layout import Layout
 from .pool import HostBufferPool
@@ -114,8 +114,8 @@ class TierContext:
 
     def host_sync(self, reason: str) -> None:
         # counted on the training thread and on the autograd thread that runs its backward, not on background
-        # workers (Note: [Backward runs on another thread] in lazytrain_hf/streams.py)
-        if self.trace is not None and streams.on_step_path():
+        # workers (Note: [Backward runs on another thread] in lazytrain_hf/threads.py)
+        if self.trace is not None and threads.on_step_path():
             self.trace.host_sync(reason)
 
     def count_layer(self, layer: int, tier: str, n: int) -> None:

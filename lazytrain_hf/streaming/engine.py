@@ -90,7 +90,8 @@ from typing import Any
 
 import torch
 
-from ..streams import SimDelay, background_worker, lanes_for, on_step_path, poison_
+from ..streams import SimDelay, lanes_for, poison_
+from ..threads import background_worker, on_step_path
 from .trace import Trace
 
 # Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
@@ -298,7 +299,8 @@ class TransferEngine:
         with self._host_read_lock:
             ev = self._host_read.pop(layer, None)
         if ev is not None:
-            if on_step_path():  # the training or autograd thread, not the optimizer's (Note: [Backward runs on ...])
+            # the training or autograd thread, not the optimizer's (Note: [Backward runs on another thread])
+            if on_step_path():
                 self.trace.host_sync("wait_host_reads")
             ev.synchronize()
 

@@ -37,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import models, streams
+from .. import models, streams, threads
 from ..activations import ActivationEngine
 from ..planner.plan import Plan
 from .binder import RESIDENT_TRAINABLE_FRACTION, ParameterBinder, hf_root
@@ -197,9 +197,9 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             raise
         self.store.on_add = None
         # Note: [Backward runs on another thread] (a test profile of the simulation)
-        self._autograd_thread = self.engine.simulated and streams.simulate_autograd_thread()
+        self._autograd_thread = self.engine.simulated and threads.simulate_autograd_thread()
         if self._autograd_thread:
-            streams.install_autograd_thread()
+            threads.install_autograd_thread()
 
         # ---- phase 4: hooks ----
         for st in self._layers:
@@ -457,7 +457,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.grad_reducer = self.host_grad_reducer = None
         self.last_micro_batch = True
         if self._autograd_thread:
-            streams.uninstall_autograd_thread()
+            threads.uninstall_autograd_thread()
         self._removed = True
         _ATTACHED.discard(self.model)
 

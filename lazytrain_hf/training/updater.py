@@ -16,7 +16,8 @@ import threading
 
 import torch
 
-from ..streams import SimDelay, background_worker, on_step_path, simulate_async
+from ..streams import SimDelay, simulate_async
+from ..threads import background_worker, on_step_path
 
 
 class LayerwiseUpdater:
@@ -158,7 +159,7 @@ class LayerwiseUpdater:
         self.handle.synchronize()  # Note: [Update before fetch]: the host accumulators are complete
         self.handle.mark_resident_released()
         # the optimizer thread's current stream is not the training thread's: its uploads are ordered after this
-        # event, recorded here on the training thread (Note: [Backward runs on another thread] in streams.py)
+        # event, recorded here on the training thread (Note: [Backward runs on another thread] in threads.py)
         lanes = self.handle.engine.lanes
         self._compute_ev = lanes.compute_event() if lanes is not None else None
         opt = self.optimizer
