@@ -96,12 +96,18 @@ class _LayerState:
     acc_nodes: dict[int, dict[int, object]] = field(default_factory=dict)
     acc_hits: dict[int, int] = field(default_factory=dict)
     completed: bool = False
+    # (the nodes hold their parameter: forgotten when the step's backward ends, `forget_accumulators`)
     device_grad_bytes: int = 0
 
     def reset_step(self) -> None:
         self.want_bwd = self.in_engine = self.input_rg = self.input_done = self.bwd_started = False
         self.expected = None
         self.accumulated = set()
+        self.forget_accumulators()
+
+    def forget_accumulators(self) -> None:
+        """Drop the step's accumulator nodes: each holds its parameter, which `torch.utils.swap_tensors` (the
+        parameters left on disk by `remove()`) and the garbage collector need released once backward is over."""
         self.acc_nodes = {}
         self.acc_hits = {}
         self.completed = False

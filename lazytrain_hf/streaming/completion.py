@@ -72,6 +72,7 @@ class CompletionTracker:
         """End a step that will get no backward (eval forward, exception, discarded graph)."""
         self._deferred.clear()  # first: releasing a slot below must not issue fetches for a step that is over
         for st in self._all.values():
+            st.forget_accumulators()
             if st.in_engine:
                 st.in_engine = False
                 self.activations.end_layer(st.index)
@@ -179,6 +180,7 @@ class CompletionTracker:
         for st in self._all.values():
             if st.expected is not None and not st.completed:
                 self._complete(st.index)
+            st.forget_accumulators()  # Note: [A parameter may have several gradient accumulators]
             self._release(st.index)
         self._boundary_nodes.clear()
         self.activations.end_step()
