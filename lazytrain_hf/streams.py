@@ -28,6 +28,30 @@ Note: [Compute is synchronous in the simulation]
     overwritten after the compute side released it (`streaming/engine.py`, Note: [Slot reuse waits for the compute
     event]), which the simulation enforces with an error.
 
+Note: [Moving a parameter's data drops its gradient accumulator]
+    On CUDA, binding a streamed parameter to its slot (``param.data = slot_view``) and releasing it (back to the
+    host view) change the parameter's device, and ``VariableHooks::set_data`` (torch/csrc/autograd/variable.cpp)
+    then resets the parameter's gradient-accumulator weak reference: a parameter used, released and bound again
+    within one forward gets a second ``AccumulateGrad`` node, and its post-accumulate-grad hook fires once per node.
+    On the CPU the slot and the host copy share device and dtype, so `set_param_data` makes the simulation take a
+    dtype detour on every bind and release: the accumulator is reset exactly where CUDA resets it. Test:
+    ``tests/test_cuda_semantics_grad.py::test_simulated_bind_drops_the_grad_accumulator``.
+
+Note: [Every background worker stalls for longer than a forward]
+    Every simulated worker (each lane, the gradient worker of `streaming/engine.py`, the NVMe spill writer and
+    reader, the overlapped optimizer thread) draws its delays from a `SimDelay`. Besides the short delays, a share
+    of its jobs (``LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE``, default 0.02) stalls the worker for at least one
+    forward's length: 1.5x the last forward the executor timed (`note_forward`), within `_LONG_STALL_MIN_S` and
+    `_LONG_STALL_MAX_S` (a forward that itself waited on a stall must not lengthen the next stall without bound).
+    ``LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS`` (comma-separated name prefixes, e.g. ``optimizer,grad-worker``;
+    default: every worker) limits the long stalls to some workers. A wait that is only "usually" unnecessary (work
+    issued a whole layer or step earlier) then fails a test instead of passing because the worker happened to be
+    quick. Tests: ``tests/test_cuda_semantics_grad.py::test_gradient_worker_stalls_are_waited_for``,
+    ``::test_optimizer_thread_stalls_are_waited_for``, ``::test_nvme_writer_stalls_are_waited_for``.
+
+Note: [Backward runs on another thread] is in `lazytrain_hf/threads.py` (which threads stand for the compute
+stream; the simulation's autograd thread).
+
 ``LAZYTRAIN_SIMULATE_ASYNC_SEED`` (default 0) seeds the delays; ``LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY`` (seconds,
 default 0.002) bounds them.
 """
@@ -46,15 +70,35 @@ from typing import Any
 import torch
 
 from . import pinned
+from .threads import check_compute_thread
 
 SIMULATE_ENV = "LAZYTRAIN_SIMULATE_ASYNC"
 SEED_ENV = "LAZYTRAIN_SIMULATE_ASYNC_SEED"
 MAX_DELAY_ENV = "LAZYTRAIN_SIMULATE_ASYNC_MAX_DELAY"
+STALL_SHARE_ENV = "LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE"
+STALL_WORKERS_ENV = "LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS"
 
 # Shares of simulated jobs that run without any delay (a missing wait must also show when the copy is fast) and that
 # stall their lane for up to 10x the usual bound (a copy issued long before its use must still be waited for).
 _NO_DELAY_SHARE = 0.25
 _STALL_SHARE = 0.05
+# Note: [Every background worker stalls for longer than a forward]: default share of jobs that stall their worker for
+# at least one forward, and the least such stall (a tiny test model's forward takes ~20-25 ms under the simulation)
+_LONG_STALL_SHARE = 0.02
+_LONG_STALL_MIN_S = 0.05
+_LONG_STALL_MAX_S = 0.25
+_last_forward_s = 0.0
+
+
+def note_forward(seconds: float) -> None:
+    """The executor timed a forward (simulation only): long stalls last at least this long."""
+    global _last_forward_s
+    _last_forward_s = float(seconds)
+
+
+def long_stall_s() -> float:
+    """How long a long stall lasts now (Note: [Every background worker stalls for longer than a forward])."""
+    return min(_LONG_STALL_MAX_S, max(_LONG_STALL_MIN_S, 1.5 * _last_forward_s))
 
 
 def simulate_async() -> bool:
@@ -94,6 +138,20 @@ def _sim_max_delay() -> float:
     return value
 
 
+def _sim_stall_share(name: str) -> float:
+    workers = [w.strip() for w in os.environ.get(STALL_WORKERS_ENV, "").split(",") if w.strip()]
+    if workers and not any(name.startswith(w) for w in workers):
+        return 0.0
+    raw = os.environ.get(STALL_SHARE_ENV, str(_LONG_STALL_SHARE))
+    try:
+        value = float(raw)
+    except ValueError as e:
+        raise ValueError(f"{STALL_SHARE_ENV}={raw!r} must be a share of jobs in [0, 1] (e.g. 0.02).") from e
+    if not 0 <= value <= 1:
+        raise ValueError(f"{STALL_SHARE_ENV}={raw!r} must be a share of jobs in [0, 1] (e.g. 0.02).")
+    return value
+
+
 def poison_(t: torch.Tensor) -> None:
     """Fill ``t`` with a value no correct read can mistake for data (NaN bytes; -1 for integers)."""
     if t.numel() == 0:
@@ -114,18 +172,34 @@ def poison_after(t: torch.Tensor, ev: Any) -> None:
         poison_(t)
 
 
+def set_param_data(param: torch.Tensor, data: torch.Tensor, simulated: bool) -> None:
+    """``param.data = data`` as a move between device and host. ``simulated``: the executor runs on simulated lanes,
+    so the move resets the gradient accumulator as a device change does on CUDA (Note: [Moving a parameter's data
+    drops its gradient accumulator])."""
+    if simulated:
+        param.data = torch.empty(0, dtype=torch.float32 if data.dtype == torch.float64 else torch.float64)
+    param.data = data
+
+
 class SimDelay:
     """Seeded random delays of one simulated worker (a lane, the optimizer's thread)."""
 
     def __init__(self, name: str):
+        self.name = name
         self._rng = random.Random(f"{_sim_seed()}:{name}")
         self._max = _sim_max_delay()
+        self._long_share = _sim_stall_share(name)
         self._lock = threading.Lock()
+        self.long_stalls = 0  # how many long stalls this worker took (tests read it)
 
     def sleep(self) -> None:
         with self._lock:
             r = self._rng.random()
-            if r < _NO_DELAY_SHARE:
+            if self._rng.random() < self._long_share:
+                # Note: [Every background worker stalls for longer than a forward]
+                d = long_stall_s()
+                self.long_stalls += 1
+            elif r < _NO_DELAY_SHARE:
                 d = 0.0
             elif r < _NO_DELAY_SHARE + _STALL_SHARE:
                 d = self._rng.uniform(self._max, 10 * self._max)
@@ -216,6 +290,8 @@ class SimLane:
     def __init__(self, name: str):
         self.name = name
         self._delay = SimDelay(name)
+        # the training thread (Note: [Backward runs on another thread]); set by `Lanes`
+        self.compute_thread = threading.current_thread()
         self._q: queue.Queue[tuple[Callable[[], None], list[Any], SimEvent] | None] = queue.Queue()
         self._last = SimEvent(done=True)
         # which side of a copy is host memory, by the lane's name (Note: [Simulated copies need pinned host memory])
@@ -252,9 +328,12 @@ class SimLane:
         self, pairs: list[tuple[torch.Tensor, torch.Tensor]], after: Iterable[Any] = (), after_compute: bool = False
     ) -> SimEvent:
         """Issue ``dst.copy_(src)`` for each pair, as one job; the event of the last. Note: [Simulated copies poison
-        their destination]. ``after_compute`` needs no wait (Note: [Compute is synchronous in the simulation]).
-        The host side must be pinned (Note: [Simulated copies need pinned host memory]) and each source is held
-        weakly (Note: [Simulated copies hold their sources weakly])."""
+        their destination]. ``after_compute`` needs no wait (Note: [Compute is synchronous in the simulation]), but
+        only the compute stream's thread may ask for it (Note: [Backward runs on another thread]). The host side must
+        be pinned (Note: [Simulated copies need pinned host memory]) and each source is held weakly (Note: [Simulated
+        copies hold their sources weakly])."""
+        if after_compute:
+            check_compute_thread(self.compute_thread, f"lane {self.name}: copy(after_compute=True)")
         for dst, src in pairs:
             self._check_pinned(dst, src)
         for dst, _ in pairs:
@@ -325,7 +404,7 @@ class CudaLane:
                         self.stream.wait_event(e)
                 for dst, src in pairs:
                     dst.copy_(src, non_blocking=True)
-                ev = torch.cuda.Event()
+                ev = torch.cuda.Event(blocking=True)  # the host may wait on it: sleep, do not spin a core
                 ev.record(self.stream)
         return ev
 
@@ -357,6 +436,7 @@ class Lanes:
     def __init__(self, device: torch.device, names: Iterable[str], owner: str):
         self.device = torch.device(device)
         self.simulated = self.device.type != "cuda"
+        self.compute_thread = threading.current_thread()  # Note: [Backward runs on another thread]
         self.lanes: dict[str, SimLane | CudaLane] = {
             n: SimLane(f"{owner}-{n}") if self.simulated else CudaLane(self.device) for n in names
         }
@@ -369,6 +449,7 @@ class Lanes:
         if ev is None:
             return
         if self.simulated:
+            check_compute_thread(self.compute_thread, "compute_wait")
             ev.synchronize()
         else:
             torch.cuda.current_stream(self.device).wait_event(ev)
@@ -376,8 +457,9 @@ class Lanes:
     def compute_event(self) -> Any:
         """An event that completes once the compute side has run everything queued so far."""
         if self.simulated:
+            check_compute_thread(self.compute_thread, "compute_event")
             return SimEvent(done=True)  # Note: [Compute is synchronous in the simulation]
-        ev = torch.cuda.Event()
+        ev = torch.cuda.Event(blocking=True)  # a host wait on it sleeps instead of spinning a core
         ev.record(torch.cuda.current_stream(self.device))
         return ev
 

@@ -17,6 +17,10 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # on worker threads after random delays; lazytrain_hf/streams.py), so a missing wait fails a test instead of passing
 # on synchronous CPU copies. `LAZYTRAIN_SIMULATE_ASYNC=0 pytest ...` runs the suite on the synchronous engine instead;
 # tests marked `sync_engine` (exact in-flight accounting of the synchronous path) always do.
+# Profiles of the simulation (environment, passed through): `LAZYTRAIN_SIMULATE_AUTOGRAD_THREAD=1` runs every backward on
+# a thread of its own, as CUDA's autograd device thread (Note: [Backward runs on another thread] in
+# lazytrain_hf/threads.py); `LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE` / `_STALL_WORKERS` set how often, and which,
+# background workers stall for longer than a forward (Note: [Every background worker stalls ...] in streams.py).
 _SIMULATE = os.environ.get("LAZYTRAIN_SIMULATE_ASYNC", "1")
 
 

@@ -16,14 +16,13 @@ owns no policy: which tier a tensor goes to is the router's decision, from the p
 from __future__ import annotations
 
 import os
-import threading
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from .. import streams
+from .. import streams, threads
 from .accounting import Accountant
 from .layout import Layout
 from .pool import HostBufferPool
@@ -136,7 +135,9 @@ class TierContext:
             self.trace.transfer(lane, nbytes, dtype, layer, what)
 
     def host_sync(self, reason: str) -> None:
-        if self.trace is not None and threading.current_thread() is threading.main_thread():
+        # counted on the training thread and on the autograd thread that runs its backward, not on background
+        # workers (Note: [Backward runs on another thread] in lazytrain_hf/threads.py)
+        if self.trace is not None and threads.on_step_path():
             self.trace.host_sync(reason)
 
     def count_layer(self, layer: int, tier: str, n: int) -> None:

@@ -94,7 +94,8 @@ from typing import Any
 import torch
 
 from .. import pinned
-from ..streams import lanes_for, pin_host_memory, poison_
+from ..streams import SimDelay, lanes_for, pin_host_memory, poison_
+from ..threads import background_worker, on_step_path
 from .trace import Trace
 
 # Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
@@ -140,15 +141,23 @@ class TransferEngine:
         # None: synchronous CPU copies; else CUDA streams or the simulated asynchronous lanes
         self.lanes = lanes_for(self.device, ("h2d", "d2h"), "transfer")
         self.is_async = self.lanes is not None
+        # simulated lanes on the CPU (lazytrain_hf.streams): binding models CUDA's device moves (Note: [Moving a
+        # parameter's data drops its gradient accumulator])
+        self.simulated = self.is_async and not self.is_cuda
         self.pools: dict[str, list[Slot]] = {}
         self._free: dict[str, list[Slot]] = {}
         self._slot_bytes: dict[str, int] = {}
         self.by_ptr: dict[int, Slot] = {}
         self.grown: dict[str, int] = {}
         self._host_read: dict[int, torch.cuda.Event] = {}
+        self._host_read_lock = threading.Lock()  # the training and the optimizer thread both read and write it
         self._grad_events: dict[int, Any] = {}  # layer -> its last gradient D2H copy (Note: [Two stages of ...])
         self._pending: list[torch.cuda.Event] = []
-        self._worker: _HostWorker | None = _HostWorker() if self.is_async else None
+        # the gradient worker; simulated, it stalls like a lane (Note: [Every background worker stalls for longer
+        # than a forward] in lazytrain_hf/streams.py)
+        self._worker: _HostWorker | None = (
+            _HostWorker(SimDelay("grad-worker") if self.simulated else None) if self.is_async else None
+        )
         self.fetch_count = 0
         self.fetch_bytes = 0
         self.trace = Trace(device=self.device)
@@ -162,6 +171,10 @@ class TransferEngine:
     def _new_slot(self, kind: str, nbytes: int, pooled: bool) -> Slot:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         slot = Slot(kind=kind, buffer=buf, pooled=pooled)
+        if self.is_async:
+            # the buffer comes from the caching allocator on the compute stream, whose queued kernels may still use
+            # that memory: the first fill waits for them like a refill (Note: [Slot reuse waits for the compute event])
+            slot.released = self.lanes.compute_event()
         self.by_ptr[slot.storage_ptr] = slot
         return slot
 
@@ -254,6 +267,12 @@ class TransferEngine:
                 "bound and has not released; it could overwrite weights queued kernels still read. See Note: [Slot "
                 "reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
             )
+        if self.simulated and slot.released is None:
+            raise RuntimeError(
+                f"lazytrain_hf streaming: a copy of layer {layer} into a {slot.kind!r} slot that is not ordered after "
+                "the compute stream (slot.released is None); its memory may still be in use by queued kernels. See "
+                "Note: [Slot reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
+            )
         slot.owner = layer
         self.fetch_count += 1
         self.fetch_bytes += n
@@ -264,8 +283,9 @@ class TransferEngine:
             return
         # Note: [Slot reuse waits for the compute event]
         slot.ready = self.lanes["h2d"].copy(dst, src_bytes, after=(slot.released,))
-        # Note: [Host compute copy is not rewritten while a fetch reads it]
-        self._host_read[layer] = slot.ready
+        # Note: [Host compute copy is not rewritten while a fetch reads it]; the optimizer thread uploads too
+        with self._host_read_lock:
+            self._host_read[layer] = slot.ready
 
     def wait_ready(self, slot: Slot) -> None:
         """Make the compute stream wait for the slot's fetch before it uses the slot. See Note: [Compute waits for
@@ -280,9 +300,11 @@ class TransferEngine:
 
         See Note: [Host compute copy is not rewritten while a fetch reads it].
         """
-        ev = self._host_read.pop(layer, None)
+        with self._host_read_lock:
+            ev = self._host_read.pop(layer, None)
         if ev is not None:
-            if threading.current_thread() is threading.main_thread():
+            # the training or autograd thread, not the optimizer's (Note: [Backward runs on another thread])
+            if on_step_path():
                 self.trace.host_sync("wait_host_reads")
             ev.synchronize()
 
@@ -386,7 +408,8 @@ class TransferEngine:
         # A fetch whose layer computed since has been read: the compute waited for it, and the gradient copies just
         # waited for are ordered after that compute. Forgetting those events (a non-blocking query) spares the
         # optimizer a host synchronisation per layer in `wait_host_reads`.
-        self._host_read = {k: ev for k, ev in self._host_read.items() if not ev.query()}
+        with self._host_read_lock:  # the optimizer thread may be inserting (an upload of a resident layer)
+            self._host_read = {k: ev for k, ev in self._host_read.items() if not ev.query()}
 
     def close(self) -> None:
         if self._worker is not None:
@@ -399,7 +422,8 @@ class TransferEngine:
         self.pools.clear()
         self._free.clear()
         self.by_ptr.clear()
-        self._host_read.clear()
+        with self._host_read_lock:
+            self._host_read.clear()
 
 
 def _align256(n: int) -> int:
@@ -456,19 +480,26 @@ class _HostWorker:
     Exceptions raised by the work are re-raised by the next `drain`.
     """
 
-    def __init__(self):
+    def __init__(self, delay: SimDelay | None = None):
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self.delay = delay
         self._thread = threading.Thread(target=self._run, name="lazytrain-stream-host", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        with background_worker():  # its waits do not stall the step (Note: [Backward runs on another thread])
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             fn = self._q.get()
             try:
                 if fn is None:
                     return
                 if self._error is None:
+                    if self.delay is not None:
+                        self.delay.sleep()
                     fn()
             except BaseException as e:  # surfaced on the caller's thread by drain()
                 self._error = e

@@ -26,6 +26,7 @@ executor's device-memory accounting, the chunked loss entry point and `attach`.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -36,7 +37,7 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import models
+from .. import models, streams, threads
 from ..activations import ActivationEngine
 from ..planner.plan import Plan
 from ..streams import pin_host_memory
@@ -142,6 +143,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self._removed = False
         # step state
         self._step_id = 0
+        self._forward_t0 = time.perf_counter()
         self._phase = "idle"  # "forward" | "backward" | "idle"
         self._grad_step = False
         self._stage = -1
@@ -156,7 +158,11 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
 
         # ---- phase 0: the activation engine first: its checks (NVMe directory, ...) fail before the model is touched
         if activation_engine is None:
-            activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
+            # a weak proxy: the engine must not keep the handle alive (a handle <-> engine cycle kept every host
+            # store, page-locked on CUDA, until a full garbage collection; Note: [remove() frees the host store])
+            activation_engine = ActivationEngine(
+                plan, device, nvme_dir=nvme_dir, param_packer=weakref.proxy(self), pin_memory=pin
+            )
         self.activations = activation_engine
         # the training state of the units in plan.state_nvme lives on NVMe (lazytrain_hf.streaming.nvmestate)
         self.nvme_state: NvmeState | None = None
@@ -192,6 +198,10 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 self.nvme_state.close()
             raise
         self.store.on_add = None
+        # Note: [Backward runs on another thread] (a test profile of the simulation)
+        self._autograd_thread = self.engine.simulated and threads.simulate_autograd_thread()
+        if self._autograd_thread:
+            threads.install_autograd_thread()
 
         # ---- phase 4: hooks ----
         for st in self._layers:
@@ -306,6 +316,9 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         else:
             self._release(i)
         if i == self.num_layers - 1:
+            if self.engine.simulated:
+                # Note: [Every background worker stalls for longer than a forward] in lazytrain_hf/streams.py
+                streams.note_forward(time.perf_counter() - self._forward_t0)
             self._run_stages(self.num_layers)  # stage H starts
         return output
 
@@ -436,6 +449,17 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.store.layers.clear()
         self.sq_norms.clear()
         self._callbacks.clear()
+        # Note: [remove() frees the host store]
+        #     Nothing the handle holds may point back at it once removed: the activation engine gets a weak proxy
+        #     of it, and the guards a trainer installed (its bound methods; the trainer holds the handle) are
+        #     dropped here. The host store (page-locked on CUDA) is then freed when the last reference to the
+        #     handle goes, not at the next full garbage collection. Test:
+        #     tests/test_cuda_semantics_grad.py::test_remove_leaves_no_reference_cycle.
+        self.fetch_guard = self.resident_guard = self.fetch_ready = None
+        self.grad_reducer = self.host_grad_reducer = None
+        self.last_micro_batch = True
+        if self._autograd_thread:
+            threads.uninstall_autograd_thread()
         self._removed = True
         _ATTACHED.discard(self.model)
 

@@ -18,6 +18,7 @@ import torch
 
 from .. import pinned
 from ..streams import SimDelay, simulate_async
+from ..threads import background_worker, on_step_path
 
 
 class LayerwiseUpdater:
@@ -119,7 +120,8 @@ class LayerwiseUpdater:
         # Note: [Resident parameters are uploaded from pinned staging]: per resident parameter, its staging buffer
         # in the parameter's dtype, the event of the last upload from it and the buffer's registered block
         self._up_bufs: dict[str, list] = {}
-        self._uploads: list = []  # events of the last run's resident uploads (the compute side waits for them)
+        self._uploads: list = []
+        self._compute_ev = None  # the training thread's compute event of the last `run()`  # events of the last run's resident uploads (the compute side waits for them)
         handle.fetch_guard = self.wait_layer
         handle.fetch_ready = self.layer_updated  # Note: [A prefetch never waits for the optimizer] (scheduler.py)
         handle.resident_guard = self.wait_resident
@@ -158,6 +160,10 @@ class LayerwiseUpdater:
         self.wait_all()
         self.handle.synchronize()  # Note: [Update before fetch]: the host accumulators are complete
         self.handle.mark_resident_released()
+        # the optimizer thread's current stream is not the training thread's: its uploads are ordered after this
+        # event, recorded here on the training thread (Note: [Backward runs on another thread] in threads.py)
+        lanes = self.handle.engine.lanes
+        self._compute_ev = lanes.compute_event() if lanes is not None else None
         opt = self.optimizer
         frozen = [{k: v for k, v in g.items()} for g in opt.param_groups]
         trace = self.handle.trace
@@ -190,7 +196,9 @@ class LayerwiseUpdater:
         self._resident_done.clear()
         work = (frozen, resident, layers, clip_coef, step)
         if self.overlap:
-            self._thread = threading.Thread(target=self._work, args=work, name="lazytrain-optimizer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._background_work, args=work, name="lazytrain-optimizer", daemon=True
+            )
             self._thread.start()
         else:
             self._work(*work)
@@ -223,7 +231,7 @@ class LayerwiseUpdater:
         if pending is None:
             return
         ev, staging, host32 = pending
-        if threading.current_thread() is threading.main_thread():
+        if on_step_path():
             self.handle.trace.host_sync("resident gradient D2H")  # only without overlap
         ev.synchronize()
         if host32 is not staging:
@@ -243,13 +251,13 @@ class LayerwiseUpdater:
             entry = self._up_bufs[name] = [block.tensor.view(p.dtype).view(p.shape), None, block]
         buf, last = entry[:2]
         if last is not None:
-            if threading.current_thread() is threading.main_thread():
+            if on_step_path():
                 self.handle.trace.host_sync("resident upload staging")  # only without overlap
             last.synchronize()  # the previous step's upload has read the staging buffer (long done)
         buf.copy_(master)  # the conversion to the compute dtype runs on the host
         # after the compute queued so far (the step's backward, which read the parameter): the next forward only
         # starts once `wait_resident` returned, so nothing of it is queued yet
-        ev = lanes["h2d"].copy(p.data, buf, after_compute=True)
+        ev = lanes["h2d"].copy(p.data, buf, after=(self._compute_ev,))
         entry[1] = ev
         return ev
 
@@ -269,6 +277,10 @@ class LayerwiseUpdater:
             gi, j = self._where[id(p)]
             opt._update(p, frozen[gi], j, 1.0 if clip is None else float(clip), None if outs is None else outs[k])
         return written
+
+    def _background_work(self, *work) -> None:
+        with background_worker():  # its host waits do not stall the step
+            self._work(*work)
 
     def _work(self, frozen, resident, layers, clip, step) -> None:
         trace = self.handle.trace
