@@ -30,6 +30,7 @@ from .costmodel import CostModel
 from .formulation import _build, _extract, _warm_start
 from .hardware import HardwareProfile, get_profile
 from .heuristics import heuristic_plan, min_memory_plan
+from .outcome import PlannerFallbackWarning, settle
 from .plan import Plan
 from .search import batch_candidates, fastest_plan, max_feasible_batch
 from .solver import SOLVERS, _resolve_solver, _solve
@@ -48,6 +49,7 @@ from .stages import (
 __all__ = [
     # the entry points
     "PlanInfeasibleError",
+    "PlannerFallbackWarning",
     "milp_feasible",
     "min_gpu_budget",
     "plan_for_model",
@@ -131,25 +133,27 @@ def solve(
         raise ValueError(f"lookahead={lookahead} must be >= 0 (2 is the default).")
     allowed_tiers = _usable_tiers(allowed_tiers, nvme_budget)
     name = _resolve_solver(solver)
+    t_start = time.perf_counter()  # every solver call below shares the one time limit
     heuristic = heuristic_plan(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers)
     if heuristic is None:
         # The simple schedules do not fit; the least-memory plan of the MILP decides (and is the fallback).
-        heuristic = _min_memory_solution(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit)
+        heuristic = _min_memory_solution(
+            cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit / 4, threads
+        )
         if heuristic is None or not _fits(evaluate_plan(heuristic, cm), gpu_budget, host_budget, nvme_budget):
             raise _infeasible(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
-    t_start = time.perf_counter()
     coarse = None
     if lookahead >= 2 and not fixed_slotting:
         # Solve with lookahead 1 first (a much smaller model): its plan is a point of this one and a strong warm start.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             coarse = solve(
-                cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, time_limit / 4, gap, solver,
+                cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, (time_limit - _since(t_start)) / 4, gap,
+                solver,
                 lookahead=1, allow_resident=allow_resident, warm_start=warm_start, threads=threads,
             )  # fmt: skip
         if coarse.source != "milp":
             coarse = None
-    remaining = max(1.0, time_limit - (time.perf_counter() - t_start))
     model = _build(
         cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, "time", allow_resident, fixed_slotting
     )
@@ -164,39 +168,30 @@ def solve(
             ):
                 start = cand
                 break
-    rep = _solve(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
-    rep["seconds"] = time.perf_counter() - t_start
+    remaining = time_limit - _since(t_start)
+    if remaining >= _MIN_SOLVE_S:
+        rep = _solve(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
+    else:  # the earlier solves took the time: what they found is the answer (said so by `settle`)
+        rep = {"status": "no_solution", "has_solution": False, "solver_result": "no time left for the full model"}
+    rep["seconds"] = _since(t_start)
     if rep["status"] == "infeasible" and start is None:
         raise _infeasible(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
     if rep["status"] == "infeasible":
         # A plan we hold fits by exact evaluation, so this is the solver's tolerance at a budget met with equality.
         rep["has_solution"] = False
-    if rep["has_solution"]:
-        plan = _extract(model, cm, "milp")
-        if rep["status"] != "optimal":
-            warnings.warn(
-                f"MILP stopped before proving optimality ({rep['solver_result']}, gap={rep['gap']}); using its best "
-                f"plan. Raise time_limit (now {time_limit} s) for a better one.",
-                stacklevel=2,
-            )
-    else:
-        warnings.warn(
-            f"MILP solver returned no plan ({rep['solver_result']} after {rep['seconds']:.1f} s); using the heuristic "
-            "plan (see `heuristic_plan`). Raise time_limit or install highspy.",
-            stacklevel=2,
-        )
-        plan = start if start is not None else heuristic
-        plan.source = "heuristic"
-    ev = evaluate_plan(plan, cm)
-    plan.predicted = ev.predictions()
-    plan.solver = {
-        "status": rep["status"] if plan.source == "milp" else f"heuristic ({rep['status']})",
-        "seconds": rep["seconds"],
-        "gap": rep["gap"],
-        "name": name,
-        "objective": rep["objective"],
-    }
+    # Note: [A solve never returns worse than what it started from] (outcome.py): every held plan fits
+    held = [c for c in candidates if c.num_layers == cm.num_layers]
+    held = [c for c in held if _fits(evaluate_plan(c, cm), gpu_budget, host_budget, nvme_budget)]
+    plan = settle(_extract(model, cm, "milp") if rep["has_solution"] else None, rep, held, cm, name, time_limit)
+    plan.solver["lookahead"] = 1 if fixed_slotting else lookahead
     return plan
+
+
+_MIN_SOLVE_S = 0.5  # the least time worth starting a solver for (a HiGHS worker process starts in ~0.3 s)
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0
 
 
 def _usable_tiers(tiers: Sequence[str], nvme_budget: int) -> tuple[str, ...]:
@@ -247,10 +242,11 @@ def _min_memory_solution(
     lookahead: int,
     solver: str,
     time_limit: float = 30,
+    threads: int | None = None,
 ) -> Plan | None:
     """The plan of least peak device memory within the host / NVMe budgets (``None``: the solver found none)."""
     model = _build(cm, None, host_budget, nvme_budget, allowed_tiers, lookahead, objective="memory")
-    rep = _solve(model.prob, _resolve_solver(solver), time_limit, 0.0, warm=False)
+    rep = _solve(model.prob, _resolve_solver(solver), time_limit, 0.0, warm=False, threads=threads)
     if not rep["has_solution"]:
         return None
     return _extract(model, cm, "heuristic")
