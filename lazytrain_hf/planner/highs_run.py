@@ -33,8 +33,8 @@ from typing import Any
 
 PRESOLVE_SHARE = 0.25  # of the time limit, for HiGHS's presolve (at least `PRESOLVE_MIN_S`)
 PRESOLVE_MIN_S = 2.0
-STOP_GRACE_S = 0.5  # from asking the worker to stop to killing it
-_MARGIN_S = 0.3  # HiGHS's own time limit ends this much before the deadline (process start and write-back)
+STOP_GRACE_S = 0.25  # from asking the worker to stop to killing it
+_MARGIN_S = 0.4  # HiGHS's own time limit ends this much before the deadline (its write-back of the result)
 _POLL_S = 0.02
 
 
@@ -109,7 +109,9 @@ def run_bounded(
         presolve_note = "on" if presolve else "off"
         while True:
             left = deadline - time.perf_counter()
-            opts = {"time_limit": max(0.05, left - _MARGIN_S), "mip_rel_gap": gap, "threads": threads}
+            # the worker sets HiGHS's limit from the wall-clock deadline once it has started (process start and
+            # imports take ~0.3 s), so HiGHS normally ends by itself before the stop file and the kill
+            opts = {"deadline": time.time() + left - _MARGIN_S, "mip_rel_gap": gap, "threads": threads}
             opts["presolve"] = "on" if presolve else "off"
             proc = _launch(tmp, opts)
             started = time.perf_counter()
@@ -123,7 +125,7 @@ def run_bounded(
                         _kill(proc)
                         presolve_note = f"off after {now - started:.1f} s of presolve"
                         break
-                if now >= deadline - STOP_GRACE_S and not stopped:
+                if now >= deadline - STOP_GRACE_S and not stopped:  # HiGHS missed its own limit
                     open(os.path.join(tmp, "stop"), "w").close()
                     stopped = True
                 if now >= deadline:
@@ -145,7 +147,7 @@ def run_bounded(
 def _launch(tmp: str, opts: dict[str, Any]) -> subprocess.Popen:
     with open(os.path.join(tmp, "options.json"), "w") as f:
         json.dump(opts, f)
-    for name in ("presolved", "stop", "incumbent.npz", "result.npz"):
+    for name in ("presolved", "stop", "incumbent.npz", "result.npz", "bound.txt"):
         if os.path.exists(os.path.join(tmp, name)):
             os.unlink(os.path.join(tmp, name))
     # -I: only the interpreter's site-packages (numpy, highspy), never the caller's working directory
@@ -159,14 +161,17 @@ def _launch(tmp: str, opts: dict[str, Any]) -> subprocess.Popen:
 def _kill(proc: subprocess.Popen) -> None:
     proc.kill()
     proc.wait()
+    if proc.stderr:
+        proc.stderr.close()
 
 
 def _read_result(tmp: str, proc: subprocess.Popen) -> dict[str, Any]:
     import numpy as np
 
     res_path, inc_path = os.path.join(tmp, "result.npz"), os.path.join(tmp, "incumbent.npz")
-    err = proc.stderr.read().decode(errors="replace").strip() if proc.stderr else ""
-    if proc.stderr:
+    err = ""
+    if proc.stderr and not proc.stderr.closed:
+        err = proc.stderr.read().decode(errors="replace").strip()
         proc.stderr.close()
     if proc.returncode == 0 and os.path.exists(res_path):
         r = np.load(res_path)
@@ -180,6 +185,11 @@ def _read_result(tmp: str, proc: subprocess.Popen) -> dict[str, Any]:
     if os.path.exists(inc_path):
         r = np.load(inc_path)
         obj, bound = float(r["objective"]), float(r["bound"])
+        bound_path = os.path.join(tmp, "bound.txt")
+        if os.path.exists(bound_path):  # the last bound the worker proved (bounds only tighten)
+            with open(bound_path) as f:
+                later = float(f.read())
+            bound = max(bound, later) if r["sense"] > 0 else min(bound, later)
         return {
             "status": "time_limit",
             "has_solution": True,
@@ -213,7 +223,7 @@ def _worker(tmp: str) -> None:
     sense = int(m["sense"][0])
     h = highspy.Highs()
     h.setOptionValue("output_flag", False)
-    h.setOptionValue("time_limit", float(opts["time_limit"]))
+    h.setOptionValue("time_limit", max(0.01, float(opts["deadline"]) - time.time()))
     h.setOptionValue("mip_rel_gap", float(opts["mip_rel_gap"]))
     h.setOptionValue("presolve", opts["presolve"])
     if opts.get("threads") is not None:
@@ -227,6 +237,7 @@ def _worker(tmp: str) -> None:
     if "start_index" in m.files and len(m["start_index"]):
         h.setSolution(len(m["start_index"]), m["start_index"], m["start_value"])
     stop_file, presolved = os.path.join(tmp, "stop"), os.path.join(tmp, "presolved")
+    bound_file = os.path.join(tmp, "bound.txt")
     seen = {"presolved": False, "checked": 0.0}
 
     def on_event(kind, message, out, data_in, user_data) -> None:
@@ -236,6 +247,7 @@ def _worker(tmp: str) -> None:
                 tmp_path,
                 x=np.array(out.mip_solution),
                 objective=sense * out.objective_function_value,
+                sense=sense,
                 bound=sense * out.mip_dual_bound,
             )
             os.replace(tmp_path, os.path.join(tmp, "incumbent.npz"))
@@ -248,6 +260,11 @@ def _worker(tmp: str) -> None:
                 seen["checked"] = now
                 if os.path.exists(stop_file):
                     data_in.user_interrupt = True
+                if seen.get("bound") != out.mip_dual_bound:  # the proven bound, for a worker stopped at the deadline
+                    seen["bound"] = out.mip_dual_bound
+                    with open(bound_file + ".tmp", "w") as f:
+                        f.write(repr(sense * out.mip_dual_bound))
+                    os.replace(bound_file + ".tmp", bound_file)
 
     h.setCallback(on_event, None)
     h.startCallback(highspy.cb.HighsCallbackType.kCallbackMipImprovingSolution)

@@ -290,12 +290,13 @@ def milp_feasible(
     allowed_tiers: Sequence[str] = ("gpu", "cpu"),
     lookahead: int = DEFAULT_LOOKAHEAD,
     solver: str = "auto",
+    time_limit: float = 30,
 ) -> bool:
     """Whether any plan of the MILP fits the budgets (fast path: the minimum-memory schedule fits)."""
     quick = evaluate_plan(min_memory_plan(cm, allowed_tiers), cm)
     if _fits(quick, gpu_budget, host_budget, nvme_budget):
         return True
-    need = min_gpu_budget(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
+    need = min_gpu_budget(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit)
     return need is not None and need <= gpu_budget
 
 
@@ -336,6 +337,7 @@ def plan_for_model(
     measured_times: tuple[Sequence[float], Sequence[float]] | None = None,
     lookahead: int = DEFAULT_LOOKAHEAD,
     state_nvme: Sequence[int] = (),
+    search_time_limit: float = 60,
 ) -> Plan:
     """Plan training of ``config`` on ``hardware`` (the entry point the trainer uses).
 
@@ -345,13 +347,19 @@ def plan_for_model(
         auto_batch_size: search the micro-batch size with the highest predicted tokens/s; the largest feasible batch
             is recorded in ``plan.predicted["max_batch_size"]``.
         measured_times: ``(fwd_s, bwd_s)`` per layer measured at ``micro_batch_size`` (timed warm-up steps).
+        time_limit: seconds of one solve (the batch search's solves share ``search_time_limit``).
+        search_time_limit: with ``auto_batch_size``, the wall-clock seconds of the whole batch search: each solve
+            gets at most its share of what is left (``min(time_limit, left / solves left)``).
         state_nvme: the units whose training state is on NVMe (`lazytrain_hf.planner.hostmem.place_state`): their
             state I/O is in the stage and tail constraints (`CostModel.with_state_nvme`), and the plan keeps them.
     """
+    t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
     hw = get_profile(hardware)
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size={max_batch_size} must be >= 1.")
+    if search_time_limit <= 0:
+        raise ValueError(f"search_time_limit={search_time_limit} must be > 0 seconds (e.g. 60).")
     gpu_b = hw.default_gpu_budget() if gpu_budget is None else _check_budget(gpu_budget, "gpu_budget")
     host_b = hw.default_host_budget() if host_budget is None else _check_budget(host_budget, "host_budget", 0)
     nvme_b = _check_budget(nvme_budget, "nvme_budget", 0)
@@ -401,13 +409,22 @@ def plan_for_model(
         return cms[b]
 
     def feasible(b: int) -> bool:
-        return milp_feasible(cm_at(b), gpu_b, host_b, nvme_b, tiers, lookahead, solver)
+        left = search_time_limit - _since(t_search)
+        return milp_feasible(cm_at(b), gpu_b, host_b, nvme_b, tiers, lookahead, solver, time_limit=max(left / 4, 1))
 
     b_max = max_feasible_batch(feasible, max_batch_size)
     if b_max == 0:
         raise _infeasible(cm_at(1), gpu_b, host_b, nvme_b, tiers, lookahead, solver)
     candidates = batch_candidates(b_max)
-    best = fastest_plan(lambda b, warm: solve(cm_at(b), **kw, warm_start=warm), candidates)
+    solved: list[int] = []
+
+    def solve_at(b: int, warm: Plan | None) -> Plan:
+        # the solves share what is left of search_time_limit, largest batch first
+        share = 0.95 * (search_time_limit - _since(t_search)) / (len(candidates) - len(solved))  # 5%: bookkeeping
+        solved.append(b)
+        return solve(cm_at(b), **{**kw, "time_limit": max(min(time_limit, share), 1e-3)}, warm_start=warm)
+
+    best = fastest_plan(solve_at, candidates)
     best.predicted["max_batch_size"] = b_max
     best.predicted["batch_sizes_tried"] = list(candidates)
     best.model = name
