@@ -289,8 +289,8 @@ def test_issue_order_follows_the_schedule(case):
         # and in the same order inside each stage: the simulator queues them on its lanes in this order
         first = next((k for k, (a, b) in enumerate(zip(got, expected)) if a != b), None)
         assert first is None, (
-            f"{model_type}: issue order differs from step_transfers' from #{first}: trace {got[first:first + 6]}, "
-            f"schedule {expected[first:first + 6]}\nplan:\n{plan.table()}"
+            f"{model_type}: issue order differs from step_transfers' from #{first}: trace {got[first : first + 6]}, "
+            f"schedule {expected[first : first + 6]}\nplan:\n{plan.table()}"
         )
 
 
