@@ -7,8 +7,9 @@ For each size (qwen3 from a config, random init, fp32, untied; `bench_cpu_predic
 
 1. ``hardware.measure(device="cpu", config=...)``: this machine's profile at the model's shapes (per-kind layer times
    removed, so predictions come from `CostModel.from_config`'s terms, as in `bench_cpu_predict.py`).
-2. The budget: ``--budget-fraction`` (default 0.5) of keep_all's predicted peak, raised to 1.05 x the smallest
-   budget any MILP plan fits (`milp.min_gpu_budget`) when that is more. The plans: the MILP's (`milp.solve` at the
+2. The budget: 1.02 x the largest predicted peak of the baselines that stream (every one but keep_all fits, keep_all
+   does not), or ``--budget-fraction`` of keep_all's predicted peak; at least 1.05 x the smallest budget any MILP
+   plan fits (`milp.min_gpu_budget`). The plans: the MILP's (`milp.solve` at the
    budget) and every baseline of `baselines.BASELINES` whose plan fits it on our executor (the stage model's
    peak); the others are listed as not fitting.
 3. Rounds interleaved in one process (``--rounds``, default 3): in each round every plan is attached to the same
@@ -57,14 +58,24 @@ def profile_now(cfg, B: int, T: int, name: str):
     return CostModel.from_config(cfg, p, T, B, dtype_bytes=4, model_name=f"qwen3-{name}")
 
 
-def budget_for(cm, fraction: float) -> int:
+def budget_for(cm, fraction: float | None) -> int:
+    """The device budget: ``fraction`` of keep_all's predicted peak, or (``None``) 1.02 x the largest peak of the
+    baselines that stream (all but keep_all), so that each of them fits and keep_all does not; at least 1.05 x
+    the smallest budget a MILP plan fits."""
     from lazytrain_hf.planner import baselines, milp
     from lazytrain_hf.planner.stages import evaluate_plan
 
-    keep = evaluate_plan(baselines.make_baseline("keep_all", cm), cm).peak_gpu_bytes
-    host = cm.hardware.default_host_budget()
-    least = milp.min_gpu_budget(cm, host, time_limit=20)
-    return max(int(keep * fraction), int(1.05 * least)) if least is not None else int(keep * fraction)
+    def peak(name: str) -> int:
+        return evaluate_plan(baselines.make_baseline(name, cm), cm).peak_gpu_bytes
+
+    keep = peak("keep_all")
+    if fraction is None:
+        streaming = [peak(n) for n in baselines.BASELINES if n != "keep_all"]
+        budget = min(int(1.02 * max(streaming)), keep - 1)
+    else:
+        budget = int(keep * fraction)
+    least = milp.min_gpu_budget(cm, cm.hardware.default_host_budget(), time_limit=20)
+    return max(budget, int(1.05 * least)) if least is not None else budget
 
 
 def make_plans(cm, budget: int) -> tuple[dict[str, Any], list[str]]:
@@ -124,7 +135,7 @@ def run_with_peak(model, plan, batch, warmup: int, steps: int) -> dict[str, Any]
     return res
 
 
-def bench_size(name: str, rounds: int, warmup: int, steps: int, fraction: float) -> dict[str, Any]:
+def bench_size(name: str, rounds: int, warmup: int, steps: int, fraction: float | None) -> dict[str, Any]:
     from gpu_check import build_model, count_params, make_batch
 
     cfg = bcp.qwen3_config(name)
@@ -188,7 +199,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--budget-fraction", type=float, default=0.5, help="of keep_all's predicted device peak")
+    ap.add_argument(
+        "--budget-fraction",
+        type=float,
+        default=None,
+        help="of keep_all's predicted device peak (default: 1.02 x the largest peak of the streaming baselines)",
+    )
     ap.add_argument("--clock", choices=("process", "wall"), default="process")
     ap.add_argument("--json", default=None, help="write the results here")
     args = ap.parse_args(argv)
@@ -198,7 +214,7 @@ def main(argv: list[str] | None = None) -> int:
         raise SystemExit(f"--sizes: unknown size {bad[0]!r}; use {', '.join(bcp.SIZES)}.")
     if args.rounds < 1 or args.steps < 1 or args.warmup < 0 or args.threads < 1:
         raise SystemExit("--rounds and --steps must be >= 1, --warmup >= 0, --threads >= 1.")
-    if not 0 < args.budget_fraction <= 1:
+    if args.budget_fraction is not None and not 0 < args.budget_fraction <= 1:
         raise SystemExit(f"--budget-fraction={args.budget_fraction} must be in (0, 1].")
     torch.set_num_threads(args.threads)
     bcp.CLOCK[0] = time.process_time if args.clock == "process" else time.perf_counter
