@@ -201,3 +201,11 @@ def test_gpu_budget_above_the_device_memory_is_refused(capsys, no_solve):
     assert code == 2
     for w in ("--gpu-budget=500.00GiB", "h800", "80.00GiB", "at most --gpu-budget 80.00GiB"):
         assert w in err, (w, err)
+
+
+def test_bad_search_time_limit_is_refused(capsys, no_solve):
+    code, _, err = run(
+        capsys, "plan", "--model", "qwen3-8b", "--hardware", "h800", "--seq-len", "256", "--auto-batch-size",
+        "--search-time-limit", "0",
+    )  # fmt: skip
+    assert code == 2 and "--search-time-limit=0.0 must be > 0 seconds" in err, err
