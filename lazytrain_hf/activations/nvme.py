@@ -577,10 +577,18 @@ class NvmeTier(Tier):
         if not self._release_reload(entry):
             return
         with self.ctx.acct.lock:
-            if entry.file is not None:
-                self.ctx.acct.add("nvme", -entry.layout.nbytes)
-                f, entry.file = entry.file, None
-                self.spill.drop(f)
+            if entry.file is None:
+                return
+            self.ctx.acct.add("nvme", -entry.layout.nbytes)
+            f, entry.file = entry.file, None
+        # Note: [A spill file outlives its writes]: an entry released before its write ran (a graph freed without
+        # backward, e.g. a forward interrupted by Ctrl-C) drops its file only once the write finished; closing the
+        # descriptor under the writer failed the write with EBADF, or sent it to a file that reused the descriptor
+        fut = entry.write_future
+        if fut is not None and not fut.done():
+            fut.add_done_callback(lambda _: self.spill.drop(f))
+        else:
+            self.spill.drop(f)
 
     # ------------------------------------------------------------------ step
     def wait_io(self) -> None:
