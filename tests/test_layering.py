@@ -16,6 +16,7 @@ and a fixed one must be removed from the list.
 from __future__ import annotations
 
 import ast
+import re
 import sys
 from pathlib import Path
 
@@ -306,3 +307,34 @@ def test_the_checks_catch_what_they_look_for(monkeypatch, tmp_path):
     assert upward() == {"planner.a -> streaming.b"}
     assert private() == {"streaming.b imports streaming.c._hidden"}
     assert oversized() == {"streaming.c": MAX_LINES + 1}
+
+
+# ------------------------------------------------------------------------------------------------ docs/ARCHITECTURE.md
+
+NOTE_RE = re.compile(r"Note: \[([^\]]+)\]")
+
+
+def _code_notes() -> dict[str, set[str]]:
+    """Title of every named Note in the package -> the files (relative to the package) that mention it."""
+    notes: dict[str, set[str]] = {}
+    for path in sorted((ROOT / PACKAGE).rglob("*")):
+        if path.suffix in (".py", ".c"):
+            for raw in NOTE_RE.findall(path.read_text()):
+                title = re.sub(r'[\s#"]+', " ", raw).strip()  # a title wrapped over comment or string lines
+                if not title.endswith("..."):  # abbreviated
+                    notes.setdefault(title, set()).add(str(path.relative_to(ROOT / PACKAGE)))
+    return notes
+
+
+def test_notes_index_matches_the_code():
+    """The Notes index of docs/ARCHITECTURE.md lists exactly the Notes of the code, each with a module that
+    mentions it."""
+    doc = (ROOT / "docs" / "ARCHITECTURE.md").read_text()
+    rows = dict(re.findall(r"^\| \[([^\]]+)\] \| `([^`]+)` \|", doc, re.MULTILINE))
+    code = _code_notes()
+    missing = {t: sorted(code[t]) for t in sorted(set(code) - set(rows))}
+    assert not missing, f"Notes missing from docs/ARCHITECTURE.md's index (title: files): {missing}"
+    stale = sorted(set(rows) - set(code))
+    assert not stale, f"Notes in docs/ARCHITECTURE.md's index that the code no longer has: {stale}"
+    wrong = {t: (home, sorted(code[t])) for t, home in rows.items() if home not in code[t]}
+    assert not wrong, f"index rows naming a module that does not mention the Note (title: named, actual): {wrong}"
