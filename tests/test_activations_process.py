@@ -108,9 +108,14 @@ def start_child(tmp_path, mode: str, ignore_sigint: bool = False) -> tuple[subpr
         proc.wait()
         raise AssertionError(f"child did not start: {(tmp_path / 'child.stderr').read_text()[-2000:]}")
     spill_dir, nfiles = line[0], int(line[1])
-    assert nfiles == 2 and os.path.isdir(spill_dir)
-    if mode != "loop":  # a looping child goes on creating and removing its files
-        assert len(os.listdir(spill_dir)) == 2
+    try:
+        assert nfiles == 2 and os.path.isdir(spill_dir)
+        if mode != "loop":  # a looping child goes on creating and removing its files
+            assert len(os.listdir(spill_dir)) == 2
+    except AssertionError:
+        proc.kill()  # a child left running would loop for ever
+        proc.wait()
+        raise
     return proc, spill_dir
 
 
