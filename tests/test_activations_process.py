@@ -151,6 +151,39 @@ def test_child_handles_sigint_when_started_ignored(tmp_path):
     _check_sigint(tmp_path, "step", ignore_sigint=True)
 
 
+# Ctrl-C landing while `Thread.start()` waits for a new spill I/O thread to run (the main thread blocks there when
+# a pool starts a worker): injected, so that the race seen under load happens on every run
+INTERRUPT_THREAD_START = textwrap.dedent(
+    """
+    import threading
+    _start = threading.Thread.start
+
+    def start(self):
+        _start(self)
+        if self.name.startswith("lazytrain-spill-r") and not getattr(start, "done", False):
+            start.done = True
+            raise KeyboardInterrupt
+
+    threading.Thread.start = start
+    """
+)
+
+
+def test_ctrl_c_while_an_io_thread_starts_still_exits(tmp_path):
+    """Note: [Spill I/O threads never block exit] in activations/nvme.py: a KeyboardInterrupt raised while a spill
+    reader thread starts must not leave a thread that the interpreter's exit waits for (it did: the child never
+    exited, and its spill files stayed)."""
+    (tmp_path / "nvme").mkdir()
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    argv = [sys.executable, "-c", INTERRUPT_THREAD_START + CHILD, str(tmp_path / "nvme"), "loop"]
+    with open(tmp_path / "child.stderr", "w") as err:
+        proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=err, env=env)
+    rc = wait_exit(proc)
+    stderr = (tmp_path / "child.stderr").read_text()
+    assert rc == -signal.SIGINT and "KeyboardInterrupt" in stderr, (rc, stderr[-2000:])
+    assert os.listdir(tmp_path / "nvme") == []
+
+
 def test_sigkill_leftovers_removed_by_next_engine(tmp_path):
     proc, spill_dir = start_child(tmp_path, "step")
     proc.send_signal(signal.SIGKILL)
