@@ -2,8 +2,9 @@
 
 Owns `ActivationEngine` (the executor's interface: `begin_layer` / `end_layer` around each layer's forward,
 `prefetch` at the stages the plan names, `begin_backward`, `end_step`), the pack / unpack hooks, the view
-deduplication of one storage's saved views, and the step's entries. Where a tensor's bytes live and move is the
-tiers' business (`tiers.py`, `nvme.py`); recomputation is `recompute.py`'s. Knows the plan's per-layer policy and
+deduplication of one storage's saved views. The step's entries are `entries.py`'s (`EntryStore`, shared with the
+recomputer); where a tensor's bytes live and move is the tiers' business (`tiers.py`, `nvme.py`); recomputation is
+`recompute.py`'s. Knows the plan's per-layer policy and
 tier only; never touches weights (the executor's `ParamPacker` owns them).
 """
 
@@ -23,6 +24,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .. import streams
 from ..planner.plan import Plan
 from ..units import format_bytes
+from .entries import EntryStore
 from .layout import Layout, ParamRef, fingerprint, plain_strided, storage_key, tensors_in
 from .nvme import IO_MODES, NvmeTier, SpillDir, check_dir, remove_stale_spill_dirs
 from .recompute import RecomputeFrame, Recomputer, Slot
@@ -80,7 +82,7 @@ class Saved:
         engine = self.engine()
         if engine is not None:
             with contextlib.suppress(Exception):
-                engine._drop_holder(self.entry)
+                engine._store.drop_holder(self.entry)
 
 
 class LayerCtx:
@@ -207,10 +209,11 @@ class ActivationEngine:
             self._tier["nvme"] = self._nvme
         # See Note: [Spill files never outlive the process]
         self._finalizer = weakref.finalize(self, SpillDir.cleanup, self._nvme.spill) if self._nvme else None
-        self._recompute = Recomputer(self)
+        self._store = EntryStore(self._tiers, self._tier, self._nvme)
+        self._entries = self._store.entries  # layer -> entries of the current step
+        self._recompute = Recomputer(self._store, plan, device, param_packer, self._weights)
         self._self_ref = weakref.ref(self)
         self._stack: list[LayerCtx] = []
-        self._entries: dict[int, list[Entry]] = {}  # layer -> entries of the current step
         self._closed = False
 
     # ------------------------------------------------------------------ checks
@@ -331,7 +334,7 @@ class ActivationEngine:
         if ctx.frame is not None:
             frame = ctx.frame
             frame.meta.append((t.shape, t.dtype))
-            return Slot(frame, len(frame.meta) - 1, self._self_ref)
+            return Slot(frame, len(frame.meta) - 1, self._recompute.ref)
         # Note: [Weights are never offloaded]
         # Weights come back from the executor's slot (packer) or are kept by reference; they are neither copied nor
         # counted as activations. Shared inputs (rotary cos/sin, masks) are alive anyway: also by reference.
@@ -345,7 +348,7 @@ class ActivationEngine:
         if key in ctx.params or key in ctx.shared:
             return t
         if ctx.tier == "gpu":
-            return Saved(self._keep_entry(ctx.layer, t), self._self_ref)
+            return Saved(self._store.keep(ctx.layer, t), self._self_ref)
         # Note: [Offloaded storages are copied once]
         # Several saved tensors often share one storage: an RMSNorm saves its input twice, q/k/v projections each save
         # their own 2-D view of the same normed input, o_proj saves a 2-D view of the attention output that sdpa also
@@ -381,31 +384,13 @@ class ActivationEngine:
                 view = (tuple(t.shape), tuple(t.stride()), lo)
                 t, lo = t.as_strided((elems,), (1,), 0), 0
                 layout = Layout.of(t)  # of the whole-storage view now saved
-        entry = self._offload_entry(ctx.layer, ctx.tier, t, layout)
+        entry = self._store.offload(ctx.layer, ctx.tier, t, layout)
         if entry.tier != "gpu":
             cands.append((StorageWeakRef(t.untyped_storage()), version, entry, lo))
         return Saved(entry, self._self_ref, view)
 
-    def _keep_entry(self, layer: int, t: torch.Tensor) -> Entry:
-        entry = self._tier["gpu"].store(layer, t, None)
-        self._entries.setdefault(layer, []).append(entry)
-        return entry
-
-    def _offload_entry(self, layer: int, tier: str, t: torch.Tensor, layout: Layout | None = ...) -> Entry:
-        """Hand ``t`` to ``tier``; ``layout`` is `Layout.of(t)` when the caller already has it."""
-        if layout is ...:
-            layout = Layout.of(t)
-        if layout is None:  # overlapping view: see Note: [Saved tensors are restored with their layout]
-            return self._keep_entry(layer, t)
-        entry = self._tier[tier].store(layer, t, layout)
-        self._entries.setdefault(layer, []).append(entry)
-        self._tiers.poll_inflight()
-        self._raise_write_failure()
-        return entry
-
     def _raise_write_failure(self) -> None:
-        if self._nvme is not None:
-            self._nvme.raise_write_failure()
+        self._store.raise_write_failure()
 
     # ------------------------------------------------------------------ reload
     def prefetch(self, layer: int) -> None:
@@ -422,14 +407,10 @@ class ActivationEngine:
         for e in entries:
             self._tier[e.tier].prefetch(e)
 
-    def _materialize(self, entry: Entry) -> torch.Tensor:
-        """The device tensor of an entry, reloading on demand and waiting for the reload."""
-        return self._tier[entry.tier].materialize(entry)
-
     # ------------------------------------------------------------------ unpack
     def _unpack(self, obj: Any) -> torch.Tensor:
         if isinstance(obj, Saved):
-            out = self._materialize(obj.entry)
+            out = self._store.materialize(obj.entry)
             return out if obj.view is None else out.as_strided(*obj.view)
         if isinstance(obj, Slot):
             return self._recompute.unpack_slot(obj)
@@ -445,19 +426,6 @@ class ActivationEngine:
         per-layer policies, outside a backward, and for a block already recomputed in this backward.
         """
         self._recompute.begin_backward(layer)
-
-    # ------------------------------------------------------------------ release
-    def _drop_holder(self, entry: Entry) -> None:
-        with self._acct.lock:
-            entry.holders -= 1
-            last = entry.holders <= 0
-        if last:
-            # outside the lock: releasing waits for I/O threads, which take the lock to account bytes
-            self._release(entry)
-
-    def _release(self, entry: Entry) -> None:
-        """Give back everything an entry holds (device tensors, host buffer, file bytes). Idempotent."""
-        self._tier[entry.tier].release(entry)
 
     # ------------------------------------------------------------------ step
     def synchronize(self) -> None:
@@ -492,7 +460,7 @@ class ActivationEngine:
         self._recompute.release_all()
         for entries in self._entries.values():
             for e in entries:
-                self._release(e)
+                self._store.release(e)
         self._entries.clear()
         self._tiers.drain_inflight()
         self._acct.clear()

@@ -3,9 +3,9 @@
 Owns the recompute frames of one engine (`RecomputeFrame` per layer call, `BlockFrame` per checkpointed block,
 `Slot` per saved tensor autograd holds) and the replay: the layer's forward re-run with the RNG and autocast state
 of the original call under recording hooks, its saved tensors served by index, once per backward. The layer input
-a frame keeps is stored through the engine's tiers; weights are bound for a block's recomputation by the executor
-(`RecomputeWeights`). Does not decide which layers are recomputed (the plan, read by the router) and never copies
-activations between tiers itself.
+a frame keeps is stored through the engine's `EntryStore` (`entries.py`); weights are bound for a block's
+recomputation by the executor (`RecomputeWeights`). Does not decide which layers are recomputed (the plan, read by
+the router) and never copies activations between tiers itself.
 """
 
 from __future__ import annotations
@@ -19,11 +19,12 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn as nn
 
+from .entries import EntryStore
 from .layout import ParamRef, fingerprint, plain_strided, storage_key
 from .tiers import Entry
 
 if TYPE_CHECKING:
-    from .engine import ActivationEngine
+    from ..planner.plan import Plan
 
 # Keyword arguments that must not be replayed by a recomputation: a KV cache would be extended a second time.
 # In training the cache HF creates is empty before the layer runs, so the layer computes the same tensors without it.
@@ -80,25 +81,43 @@ class BlockFrame:
 class Slot:
     """What autograd holds for a tensor of a recomputed layer: an index into the recomputation."""
 
-    __slots__ = ("frame", "idx", "engine", "__weakref__")
+    __slots__ = ("frame", "idx", "recomputer", "__weakref__")
 
-    def __init__(self, frame: RecomputeFrame, idx: int, engine: weakref.ReferenceType) -> None:
-        self.frame, self.idx, self.engine = frame, idx, engine
+    def __init__(self, frame: RecomputeFrame, idx: int, recomputer: weakref.ReferenceType) -> None:
+        self.frame, self.idx, self.recomputer = frame, idx, recomputer
         frame.holders += 1
 
     def __del__(self) -> None:
-        engine = self.engine()
-        if engine is not None:
+        recomputer = self.recomputer()
+        if recomputer is not None:
             with contextlib.suppress(Exception):
-                engine._recompute.drop_slot(self.frame)
+                recomputer.drop_slot(self.frame)
 
 
 class Recomputer:
-    """The recompute frames of one `ActivationEngine` and their replay (see the module docstring)."""
+    """The recompute frames of one `ActivationEngine` and their replay (see the module docstring).
 
-    def __init__(self, engine: ActivationEngine) -> None:
-        self.engine = engine
-        self.acct = engine._tiers.acct
+    Args:
+        store: the engine's entries; a frame's (or block's) input is stored and released through it.
+        plan: the engine's plan (``checkpoint_every``).
+        device: the compute device.
+        param_packer: the executor's `ParamPacker` (weights recorded as its references), or None.
+        weights: the executor's `RecomputeWeights` (binds a layer's weights for a block's recomputation), or None.
+    """
+
+    def __init__(
+        self,
+        store: EntryStore,
+        plan: Plan,
+        device: torch.device,
+        param_packer: Any | None,
+        weights: Any | None,
+    ) -> None:
+        self.store = store
+        self.plan, self.device = plan, device
+        self.param_packer, self.weights = param_packer, weights
+        self.acct = store.tiers.acct
+        self.ref = weakref.ref(self)  # what a `Slot` holds
         self._frames: dict[int, list[weakref.ReferenceType]] = {}  # layer -> recompute frames of the current step
         # block checkpointing: the block the forward is building, and each layer's block of the latest forward
         self._open_block: BlockFrame | None = None
@@ -137,7 +156,7 @@ class Recomputer:
     ) -> RecomputeFrame:
         """The frame of a layer call under block checkpointing: the first layer of a block saves its input on the
         device; a later layer of the block saves nothing and is recomputed from the previous layer's output."""
-        K = self.engine.plan.checkpoint_every
+        K = self.plan.checkpoint_every
         x, _ = self._layer_input(layer, args, kwargs)
         block = self._open_block
         cont = (
@@ -193,17 +212,17 @@ class Recomputer:
         frame.input_requires_grad = x.requires_grad
         # the input goes to the layer's input tier, like any saved tensor of that tier
         if save_input:
-            if tier == "gpu" or not plain_strided(x) or x.device != self.engine.device:
-                frame.input = self.engine._keep_entry(layer, x.detach())
+            if tier == "gpu" or not plain_strided(x) or x.device != self.device:
+                frame.input = self.store.keep(layer, x.detach())
             else:
-                frame.input = self.engine._offload_entry(layer, tier, x.detach())
+                frame.input = self.store.offload(layer, tier, x.detach())
             frame.input.holders += 1  # held by the frame (or its block) until it is released
         # Note: [Recompute replays RNG and autocast state]
         # Captured before the layer's forward draws any random number, restored (inside fork_rng, so the training
         # RNG stream is untouched) before the recomputation: dropout masks come out identical.
         frame.cpu_rng = torch.get_rng_state()
-        if self.engine.device.type == "cuda":
-            frame.dev_rng = torch.cuda.get_rng_state(self.engine.device)
+        if self.device.type == "cuda":
+            frame.dev_rng = torch.cuda.get_rng_state(self.device)
             frame.autocast.append(
                 (
                     "cuda",
@@ -266,7 +285,7 @@ class Recomputer:
 
     def _resolve(self, t: torch.Tensor | ParamRef) -> torch.Tensor:
         """A recorded tensor, or the weight view a recorded reference names (rebuilt on the layer's current slot)."""
-        return self.engine.param_packer.unpack(t.ref) if isinstance(t, ParamRef) else t
+        return self.param_packer.unpack(t.ref) if isinstance(t, ParamRef) else t
 
     def begin_backward(self, layer: int) -> None:
         """Stage ``B layer`` starts (the executor's backward pre-hook, inside backward).
@@ -275,7 +294,7 @@ class Recomputer:
         now, before any of its tensors is unpacked (See Note: [Block recomputation]). A no-op for per-layer
         policies, outside a backward, and for a block already recomputed in this backward.
         """
-        if self.engine.plan.checkpoint_every == 1:
+        if self.plan.checkpoint_every == 1:
             return
         ref = self._block_of.get(layer)
         block = ref() if ref is not None else None
@@ -313,15 +332,11 @@ class Recomputer:
         if upto is not None:
             frames = frames[: frames.index(upto) + 1]
         outs: dict[RecomputeFrame, dict[int, tuple[torch.Tensor | ParamRef, int | None]]] = {}
-        x = self.engine._materialize(block.input)
+        x = self.store.materialize(block.input)
         try:
             for n, frame in enumerate(frames):
                 nxt = frames[n + 1].layer if n + 1 < len(frames) else None
-                bind = (
-                    self.engine._weights.recompute_weights(frame.layer, nxt)
-                    if self.engine._weights
-                    else contextlib.nullcontext()
-                )
+                bind = self.weights.recompute_weights(frame.layer, nxt) if self.weights else contextlib.nullcontext()
                 with bind:
                     out, y = self._run_forward(frame, x, count and not frame.released, weight_refs=True)
                 if not frame.released:
@@ -342,7 +357,7 @@ class Recomputer:
 
     def _recompute(self, frame: RecomputeFrame, count: bool) -> dict[int, tuple[torch.Tensor, int | None]]:
         """Re-run the layer's forward under recording hooks; saved tensors by index (with accounting keys)."""
-        return self._run_forward(frame, self.engine._materialize(frame.input), count)[0]
+        return self._run_forward(frame, self.store.materialize(frame.input), count)[0]
 
     def _run_forward(
         self, frame: RecomputeFrame, x: torch.Tensor, count: bool, weight_refs: bool = False
@@ -365,7 +380,7 @@ class Recomputer:
         expected = frame.meta
         out: dict[int, tuple[torch.Tensor | ParamRef, int | None]] = {}
         acct = self.acct
-        packer = self.engine.param_packer if weight_refs else None
+        packer = self.param_packer if weight_refs else None
 
         def pack(t: torch.Tensor) -> None:
             i = len(out)
@@ -382,17 +397,17 @@ class Recomputer:
                 return None
             t = t.detach() if t.requires_grad else t
             key = None
-            if count and plain_strided(t) and t.device == self.engine.device and storage_key(t) not in skip:
+            if count and plain_strided(t) and t.device == self.device and storage_key(t) not in skip:
                 key, _ = acct.add_storage(t)
             out[i] = (t, key)
             return None
 
-        devices = [self.engine.device] if self.engine.device.type == "cuda" else []
+        devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices, enabled=True, device_type=self.engine.device.type):
+            with torch.random.fork_rng(devices=devices, enabled=True, device_type=self.device.type):
                 torch.set_rng_state(frame.cpu_rng)
                 if frame.dev_rng is not None:
-                    torch.cuda.set_rng_state(frame.dev_rng, self.engine.device)
+                    torch.cuda.set_rng_state(frame.dev_rng, self.device)
                 with contextlib.ExitStack() as stack:
                     for device_type, kw in frame.autocast:
                         stack.enter_context(torch.amp.autocast(device_type, **kw))
@@ -431,7 +446,7 @@ class Recomputer:
                         self.acct.remove_storage(key)
             frame.recomputed.clear()
             if frame.input is not None:
-                self.engine._drop_holder(frame.input)
+                self.store.drop_holder(frame.input)
             block = frame.block
             if block is None:
                 frame.args, frame.kwargs = (), {}
@@ -451,4 +466,4 @@ class Recomputer:
                 frame.args, frame.kwargs = (), {}
             if block.input is not None:
                 entry, block.input = block.input, None
-                self.engine._drop_holder(entry)
+                self.store.drop_holder(entry)
