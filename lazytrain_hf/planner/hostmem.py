@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..streaming.store import ALIGN_BYTES, _align, layer_layout
+from ..streaming.store import ALIGN_BYTES, align_up, layer_layout
 
 # Gradient staging in flight at once with gradient accumulation (the bound the engine's staging keeps): two layers
 # of device gradients in the compute dtype, one being copied while the previous one is added on the host.
@@ -219,7 +219,7 @@ def host_footprint(
                 fp.compute += lay.compute_bytes
                 fp.masters += lay.master_bytes
                 fp.grads += lay.grad_bytes
-                fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
+                fp.pinned_store += align_up(lay.compute_bytes) + align_up(lay.grad_bytes)
             if not u.on_disk:
                 # Note: [A frozen parameter keeps its own values] (streaming/store.py): the original of a frozen
                 # parameter whose compute copy is rounded stays on the host
@@ -229,7 +229,7 @@ def host_footprint(
             max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
             staged |= any(t and d != torch.float32 for _, d, t in in_compute)
             if cpu:
-                nb = _align(lay.compute_bytes, ALIGN_BYTES)
+                nb = align_up(lay.compute_bytes, ALIGN_BYTES)
                 if u.plan_resident:
                     fp.device_on_host += nb  # its dedicated slot
                 elif u.kind in ("embed", "head"):

@@ -31,7 +31,7 @@ import torch.nn as nn
 
 from ..streams import set_param_data
 from .engine import Slot
-from .store import ALIGN_BYTES, LayerStore, _align
+from .store import ALIGN_BYTES, LayerStore, align_up
 
 # A layer that mixes frozen and trainable parameters keeps its trainable ones resident (ordinary `.grad`) when they
 # hold less than this share of its elements: adapters such as LoRA (r=16 on a 4096-wide q_proj is ~0.8%). Larger
@@ -71,8 +71,9 @@ class _KeptRef:
 
 
 @dataclass
-class _LayerState:
-    """Runtime state of one decoder layer (static part, then per-step part)."""
+class LayerState:
+    """Runtime state of one decoder layer (static part, then per-step part); the binder builds it, the completion
+    tracker, the gradient path and the extra units (`units.py`) read and update it."""
 
     index: int
     module: nn.Module
@@ -128,7 +129,7 @@ class ParameterBinder:
         `attach`): streamed parameters at their host compute copy, resident ones (and buffers) on the device."""
         plan, device = self.plan, self.device
         # ---- phase 1: split parameters into streamed (host store) and resident (device) ----
-        self._layers: list[_LayerState] = []
+        self._layers: list[LayerState] = []
         streamed_ids: set[int] = set()
         for i, (layer, lp) in enumerate(zip(layers, plan.layers)):
             params = list(layer.parameters())
@@ -151,19 +152,19 @@ class ParameterBinder:
                     compute_dtype=self.compute_dtype,
                 )
                 streamed_ids.update(id(p) for p in streamed)
-            self._layers.append(_LayerState(i, layer, lp.kind, ls, bool(lp.resident), {id(p): p for p in trainable}))
-        self._all: dict[int, _LayerState] = {st.index: st for st in self._layers}
-        self._units: dict[int, _LayerState] = {}
+            self._layers.append(LayerState(i, layer, lp.kind, ls, bool(lp.resident), {id(p): p for p in trainable}))
+        self._all: dict[int, LayerState] = {st.index: st for st in self._layers}
+        self._units: dict[int, LayerState] = {}
         self._init_units(streamed_ids)  # Note: [Streamed embeddings and head] (units.py)
         self._streamed_ids = streamed_ids
 
         # ---- phase 2: slot pool per kind, dedicated slots for plan-resident layers ----
-        by_kind: dict[str, list[_LayerState]] = {}
+        by_kind: dict[str, list[LayerState]] = {}
         for st in self._layers:
             if st.store is not None and not st.resident:
                 by_kind.setdefault(st.kind, []).append(st)
         for kind, sts in by_kind.items():
-            nbytes = _align(max(st.store.nbytes for st in sts), ALIGN_BYTES)
+            nbytes = align_up(max(st.store.nbytes for st in sts), ALIGN_BYTES)
             depth = max(
                 max(plan.layers[st.index].fetch_fwd_ahead, plan.layers[st.index].fetch_bwd_ahead) for st in sts
             )
@@ -185,7 +186,7 @@ class ParameterBinder:
                     if e.param.grad is not None:
                         e.param.grad = None
                 if st.resident:
-                    st.slot = self.engine.dedicated_slot(st.kind, _align(st.store.nbytes))
+                    st.slot = self.engine.dedicated_slot(st.kind, align_up(st.store.nbytes))
                     self.engine.copy_in(st.slot, st.store.compute_bytes, st.index)
                     self._bind(st.index)
             self._resident: list[tuple[str, nn.Parameter, torch.device]] = []

@@ -1,7 +1,7 @@
 """Completion tracking of the streaming executor: the step's phases and when each layer's backward is done.
 
 Owns the step bookkeeping (``_step_id``, ``_phase``, ``_grad_step``, begin / abort of a step), the autograd
-boundaries around each layer (`_Boundary`: start of stage ``B i`` on the output, "every input gradient computed" on
+boundaries around each layer (`Boundary`: start of stage ``B i`` on the output, "every input gradient computed" on
 the input), the expected vs accumulated parameters of each layer, and the end-of-backward callback that completes
 anything left. Completing a layer hands it to the gradient sink (`gradients.py`); it moves no data itself.
 
@@ -32,10 +32,10 @@ from typing import Any
 
 import torch
 
-from .binder import _LayerState
+from .binder import LayerState
 
 
-class _Boundary(torch.autograd.Function):
+class Boundary(torch.autograd.Function):
     """Identity whose backward calls ``fire``. On a layer output its backward is the start of stage ``B i``; on a
     layer input it means every gradient through the layer has been computed."""
 
@@ -83,7 +83,7 @@ class CompletionTracker:
         self.activations.end_step()
         self._phase = "idle"
 
-    def _expected_params(self, root: Any, st: _LayerState) -> set[int]:
+    def _expected_params(self, root: Any, st: LayerState) -> set[int]:
         """Ids of the layer's trainable parameters reachable from its output. See Note: [When a layer's backward
         is complete]."""
         if not st.trainable:
@@ -106,7 +106,7 @@ class CompletionTracker:
             stack.extend(nxt for nxt, _ in fn.next_functions)
         return found
 
-    def _note_accumulators(self, output: Any, st: _LayerState) -> None:
+    def _note_accumulators(self, output: Any, st: LayerState) -> None:
         """Record the accumulator nodes of ``st``'s parameters that ``output``'s graph reaches (down to the layer
         boundaries). Note: [A parameter may have several gradient accumulators]."""
         if isinstance(output, torch.Tensor) and output.grad_fn is not None:

@@ -38,7 +38,7 @@ import torch
 from torch.utils.hooks import RemovableHandle
 
 from ..activations.tiers import simulated_host_lead
-from .binder import _LayerState
+from .binder import LayerState
 
 # Elements per piece of a squared norm taken in fp32 over a lower-precision gradient (`squared_norm`)
 NORM_CHUNK = 1 << 24
@@ -186,7 +186,7 @@ class GradientSink:
         for fn in list(self._callbacks.values()):
             fn(i, grads)
 
-    def _drop_device_grads(self, st: _LayerState) -> None:
+    def _drop_device_grads(self, st: LayerState) -> None:
         if st.store is None:
             return
         for e in st.store.trainable_entries:

@@ -42,7 +42,7 @@ from ..activations import ActivationEngine
 from ..planner.plan import Plan
 from ..streams import pin_host_memory
 from .binder import RESIDENT_TRAINABLE_FRACTION, ParameterBinder, hf_root
-from .completion import CompletionTracker, _Boundary
+from .completion import Boundary, CompletionTracker
 from .engine import TransferEngine
 from .gradients import GradientSink
 from .loss import chunked_causal_lm_loss
@@ -275,7 +275,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 x = kwargs.get("hidden_states")
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 st.input_rg = True
-                x = _Boundary.apply(x, lambda: self._on_input_grad(step, i))
+                x = Boundary.apply(x, lambda: self._on_input_grad(step, i))
                 self._boundary_nodes.add(x.grad_fn)
                 if args and isinstance(args[0], torch.Tensor):
                     args = (x, *args[1:])
@@ -302,7 +302,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             needs_bwd = True
             st.expected = self._expected_params(h.grad_fn, st)
             step = self._step_id
-            h = _Boundary.apply(h, lambda: self._on_backward_stage(step, i))
+            h = Boundary.apply(h, lambda: self._on_backward_stage(step, i))
             self._boundary_nodes.add(h.grad_fn)
             output = h if isinstance(output, torch.Tensor) else (h, *output[1:])
         else:

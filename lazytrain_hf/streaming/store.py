@@ -36,7 +36,8 @@ from .. import pinned
 ALIGN_BYTES = 256
 
 
-def _align(n: int, to: int = ALIGN_BYTES) -> int:
+def align_up(n: int, to: int = ALIGN_BYTES) -> int:
+    """``n`` rounded up to a multiple of ``to`` (default `ALIGN_BYTES`)."""
     return (n + to - 1) // to * to
 
 
@@ -92,22 +93,22 @@ def layer_layout(params: list[tuple[int, torch.dtype, bool]], compute_dtype: tor
         numel, dt, trainable = params[i]
         cdt = dtype_of(dt)
         if single is not None:
-            elem = _align(elem, max(1, ALIGN_BYTES // single.itemsize))
+            elem = align_up(elem, max(1, ALIGN_BYTES // single.itemsize))
             b_off, e_off = elem * single.itemsize, elem
             elem += numel
         else:
-            b_off = byte = _align(byte)
+            b_off = byte = align_up(byte)
             byte += numel * cdt.itemsize
             e_off = -1
             if trainable:
-                e_off = elem = _align(elem, ALIGN_BYTES // 4)
+                e_off = elem = align_up(elem, ALIGN_BYTES // 4)
                 elem += numel
         if trainable:
             n_train = max(n_train, e_off + numel)
         offsets.append((b_off, e_off if trainable else -1, cdt))
     if single is not None:
         byte = elem * single.itemsize
-    return LayerLayout(tuple(offsets), tuple(order), _align(byte), n_train, single == torch.float32)
+    return LayerLayout(tuple(offsets), tuple(order), align_up(byte), n_train, single == torch.float32)
 
 
 # Note: [Pinned blocks are registered, not cached]
@@ -141,7 +142,7 @@ class PinnedArena:
 
     def carve(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed view of ``n`` elements of ``dtype`` at the next `ALIGN_BYTES` boundary."""
-        start = _align(self.used)
+        start = align_up(self.used)
         nbytes = n * dtype.itemsize
         if start + nbytes > self.block.numel():
             raise ValueError(

@@ -14,8 +14,8 @@ import torch
 import torch.nn as nn
 
 from .. import models
-from .binder import _LayerState
-from .completion import _Boundary
+from .binder import LayerState
+from .completion import Boundary
 
 # Key of the input-embedding unit in `HostStore.layers` when the plan streams embeddings (the head unit's key is the
 # number of decoder layers): sorted keys give the optimizer's order, embedding first, head last.
@@ -100,7 +100,7 @@ class HeadUnits:
                 if params
                 else None
             )
-            st = _LayerState(key, module, kind, ls, False, {id(p): p for p in params if p.requires_grad})
+            st = LayerState(key, module, kind, ls, False, {id(p): p for p in params if p.requires_grad})
             st.transient = True
             self._all[key] = self._units[key] = st
             streamed_ids.update(id(p) for p in params)
@@ -154,7 +154,7 @@ class HeadUnits:
             if isinstance(x, torch.Tensor) and x.requires_grad:
                 step = self._step_id
                 st.input_rg = True
-                x = _Boundary.apply(x, lambda: self._on_input_grad(step, key))
+                x = Boundary.apply(x, lambda: self._on_input_grad(step, key))
                 self._boundary_nodes.add(x.grad_fn)
                 if args and isinstance(args[0], torch.Tensor):
                     args = (x, *args[1:])
