@@ -14,6 +14,7 @@ import torch
 from trainer_fixtures import make_trainer
 
 import lazytrain_hf.streaming.nvmestate as ns
+from lazytrain_hf.planner import layouts
 from lazytrain_hf.streaming.store import disk_source
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -54,7 +55,7 @@ def test_state_on_nvme_bit_exact(tmp_path, monkeypatch, case):
     """Losses and every trained weight with the whole state on NVMe equal the state in RAM bit for bit, and the
     trace's bytes per lane equal the plan's prediction in every step. Chunks of 4096 elements: every 8-bit tensor
     of the tiny model over 4096 elements is updated in several chunks (Note: [The out-of-core optimizer step is chunked])."""
-    monkeypatch.setattr(ns, "CHUNK_ELEMS", 4096)
+    monkeypatch.setattr(layouts, "CHUNK_ELEMS", 4096)
     kw = CASES[case]
     ram = _run(tmp_path, "ram", False, **kw)
     disk = _run(tmp_path, "nvme", True, **kw)

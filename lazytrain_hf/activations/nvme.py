@@ -47,6 +47,7 @@ from typing import Any
 import torch
 
 from .. import streams
+from ..planner.layouts import IO_ALIGN  # the O_DIRECT block size (planner/layouts.py)
 from ..units import format_bytes
 from .layout import Layout
 from .tiers import Entry, Tier, TierContext, aligned, round_up
@@ -58,9 +59,6 @@ _SPILL_RE = re.compile(r"^lazytrain-act_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<s
 _pwrite = os.pwrite
 _preadv = os.preadv
 
-# Block size of O_DIRECT transfers: buffer addresses, file offsets and lengths are multiples of it. 4096 covers
-# drives with 512-byte and 4 KiB logical blocks (Linux requires the logical block size; 4096 is a multiple of both).
-IO_ALIGN = 4096
 IO_MODES = ("auto", "direct", "fadvise", "buffered")
 
 

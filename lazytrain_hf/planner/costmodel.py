@@ -592,7 +592,7 @@ class CostModel:
         """``(gradient bytes per micro-batch, optimizer reads, optimizer writes)`` of layer ``i`` with its state on
         NVMe: the fp32 gradient (4 B/param) written per micro-batch; per step the master, gradient and 8-bit moments
         in (10 B/param + block scales) and the master, moments and compute copy out (6 B/param + scales + w_i)."""
-        from ..streaming.nvmestate import update_bytes
+        from .layouts import update_bytes
 
         lc = self.layers[i]
         reads, writes = update_bytes([(lc.params, None, True)], lc.weight_bytes)  # the layer as one 8-bit tensor

@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from ..streaming.store import ALIGN_BYTES, align_up, layer_layout
+from .layouts import ALIGN_BYTES, align_up, layer_layout
 
 # Gradient staging in flight at once with gradient accumulation (the bound the engine's staging keeps): two layers
 # of device gradients in the compute dtype, one being copied while the previous one is added on the host.
@@ -187,7 +187,7 @@ def host_footprint(
         pool_slots: per layer kind, the number of slots of its pool (CPU device only; `slot_pool_sizes`).
         state_nvme: keys of the streamed units whose state is on NVMe (``Unit.key``).
     """
-    from ..streaming.nvmestate import CHUNK_ELEMS, IO_ALIGN, state_file_bytes
+    from .layouts import CHUNK_ELEMS, IO_ALIGN, state_file_bytes  # here: tests set a smaller CHUNK_ELEMS
 
     win_compute: list[int] = []  # per unit on NVMe: its compute-copy window, its gradient window
     win_grad: list[int] = []
@@ -289,7 +289,7 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
     frozen layer; with ``plan.stream_embeddings`` the embedding and final norm + lm_head are units too, a tied
     lm_head belonging to the embedding)."""
     from .. import models
-    from ..streaming.binder import hf_root, streamed_parameters
+    from .layouts import hf_root, streamed_parameters
 
     root = hf_root(model)
     layers = models.decoder_layers(root)

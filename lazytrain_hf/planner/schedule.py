@@ -267,10 +267,8 @@ def sizes_from_model(
     import torch
 
     from .. import models
-    from ..streaming.binder import hf_root, streamed_parameters
-    from ..streaming.nvmestate import update_bytes
-    from ..streaming.store import layer_layout
     from .costmodel import saved_activation_bytes
+    from .layouts import hf_root, layer_layout, streamed_parameters, update_bytes
 
     on_nvme = set(plan.state_nvme)
 

@@ -1,6 +1,7 @@
 """Parameter binder of the streaming executor: which parameters stream, where ``param.data`` points, and back.
 
-Owns the host store build (streamed vs resident parameters, `RESIDENT_TRAINABLE_FRACTION`), the device slot pools,
+Owns the host store build (streamed vs resident parameters: `streamed_parameters`, `RESIDENT_TRAINABLE_FRACTION`,
+from `lazytrain_hf.planner.layouts` and re-exported here, the split the planner counts), the device slot pools,
 binding a layer's parameters to its slot and releasing it, the `ParamPacker` references of saved weights, the
 `RecomputeWeights` binding of a checkpointed block, and `remove()`'s restoration. State it owns on the handle:
 ``_layers``, ``_all``, ``_streamed_ids``, ``_resident``, ``_buffers``, ``_buffer_bytes``, ``_resident_ptrs``.
@@ -29,26 +30,10 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ..planner.layouts import RESIDENT_TRAINABLE_FRACTION, hf_root, streamed_parameters  # noqa: F401 (re-exported)
 from ..streams import set_param_data
 from .engine import Slot
 from .store import ALIGN_BYTES, LayerStore, align_up
-
-# A layer that mixes frozen and trainable parameters keeps its trainable ones resident (ordinary `.grad`) when they
-# hold less than this share of its elements: adapters such as LoRA (r=16 on a 4096-wide q_proj is ~0.8%). Larger
-# trainable parts (e.g. a fully trained MLP beside a frozen attention) are streamed with host gradients.
-RESIDENT_TRAINABLE_FRACTION = 0.1
-
-
-def streamed_parameters(params: list[nn.Parameter]) -> list[nn.Parameter]:
-    """Which of a decoder layer's parameters the host store streams: all of them, or only the frozen ones when the
-    trainable ones are under `RESIDENT_TRAINABLE_FRACTION` of the layer (adapters stay resident). The executor, the
-    host-memory accounting and the planner's byte counts all read the split from here."""
-    trainable = [p for p in params if p.requires_grad]
-    frozen = [p for p in params if not p.requires_grad]
-    n_train = sum(p.numel() for p in trainable)
-    n_all = sum(p.numel() for p in params)
-    keep_train_resident = bool(frozen) and bool(trainable) and n_train < RESIDENT_TRAINABLE_FRACTION * n_all
-    return frozen if keep_train_resident else params
 
 
 class _SlotRef(NamedTuple):
@@ -113,12 +98,6 @@ class LayerState:
         self.acc_hits = {}
         self.completed = False
         self.device_grad_bytes = 0
-
-
-def hf_root(model: nn.Module) -> nn.Module:
-    """The `*ForCausalLM` model under a PEFT wrapper (or the model itself)."""
-    get_base = getattr(model, "get_base_model", None)
-    return get_base() if callable(get_base) else model
 
 
 class ParameterBinder:

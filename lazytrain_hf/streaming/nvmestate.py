@@ -51,7 +51,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import re
 import shutil
@@ -69,6 +68,8 @@ from ..activations import nvme as _io
 from ..activations.tiers import aligned, round_up
 from ..optim.kernels import AdamWScalars, adamw8bit_step, adamw32_step
 from ..optim.quant import Quantized8bit, dynamic_lookup, num_blocks
+from ..planner import layouts
+from ..planner.layouts import IO_ALIGN, state_file_bytes  # noqa: F401 (re-exported)
 from ..units import format_bytes
 
 # read_committed and update_bytes are public names of this module too (planner, tests and benchmarks import them here)
@@ -76,11 +77,6 @@ from .statefiles import MANIFEST, gather_scales, read_committed, update_bytes  #
 from .statewindows import WindowPool
 from .store import poisoned
 
-IO_ALIGN = _io.IO_ALIGN
-# Elements per optimizer chunk: a multiple of 4096 (byte offsets of 1-byte codes stay aligned) and of every block
-# size up to 4096; each chunk's block scales have a slot of their own, `IO_ALIGN`-aligned. Read when a unit is laid
-# out (`NvmeState.add_unit`), which fixes it for that unit.
-CHUNK_ELEMS = 1 << 22
 BUILD_WINDOW = 64 << 20  # bytes of the window a unit's state is written through when it is moved to its file
 _DIR_PREFIX = "lazytrain-state_"
 _DIR_RE = re.compile(r"^lazytrain-state_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
@@ -140,7 +136,7 @@ class _Param:
     v_abs: tuple[int, int] = (0, 0)
     step: int = 0  # committed optimizer steps of this parameter
     small: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 m, v in RAM (tensors under min_8bit_size)
-    chunk: int = CHUNK_ELEMS  # elements per chunk (Note: [The out-of-core optimizer step is chunked])
+    chunk: int = layouts.CHUNK_ELEMS  # elements per chunk (Note: [The out-of-core optimizer step is chunked])
     abs_slot: int = 0  # bytes of each chunk's block-scale slot
 
     def chunks(self) -> list[tuple[int, int]]:
@@ -272,7 +268,7 @@ class NvmeState:
         grad_off = off
         off += round_up(4 * lay.train_elems, IO_ALIGN)
         ents = ls.trainable_entries
-        chunk = int(CHUNK_ELEMS)
+        chunk = int(layouts.CHUNK_ELEMS)  # read now: tests set a smaller one
         if chunk % IO_ALIGN or chunk % self.block_size:
             raise ValueError(f"CHUNK_ELEMS={chunk} must be a multiple of {IO_ALIGN} and of the block size.")
         for e in ents:
@@ -792,22 +788,3 @@ def _remove_dir(fds: list[int], path: str) -> None:
 def remove_stale_state_dirs(root: str) -> list[str]:
     """Remove the private state directories in ``root`` of processes of this host that are gone."""
     return _io.remove_stale_spill_dirs(root, _DIR_RE)
-
-
-def state_file_bytes(
-    tensors: list[tuple[int, torch.dtype, bool]],
-    compute_bytes: int,
-    train_elems: int,
-    block_size: int = 256,
-    min_8bit_size: int = 4096,
-) -> int:
-    """Bytes of one unit's state file (`NvmeState.add_unit`'s layout) for its trainable tensors' sizes."""
-    off = round_up(compute_bytes, IO_ALIGN) + round_up(4 * train_elems, IO_ALIGN)
-    for n, _, t in tensors:
-        if not t:
-            continue
-        off += 2 * round_up(4 * n, IO_ALIGN)
-        if n >= min_8bit_size:
-            slots = math.ceil(n / CHUNK_ELEMS) * round_up(4 * (CHUNK_ELEMS // block_size), IO_ALIGN)
-            off += 2 * (2 * round_up(n, IO_ALIGN) + 2 * slots)
-    return off

@@ -1,18 +1,17 @@
-"""The state on NVMe's files as data, independent of a running executor: bytes a unit's optimizer step moves
-(`update_bytes`, what the planner predicts) and the committed state of a state directory (`read_committed`, what a
-crash leaves). The layout itself is written by `lazytrain_hf.streaming.nvmestate` (Note: [The state on NVMe commits
-per optimizer step] there)."""
+"""The state on NVMe's files as data, independent of a running executor: the committed state of a state directory
+(`read_committed`, what a crash leaves) and, re-exported from `lazytrain_hf.planner.layouts`, the bytes a unit's
+optimizer step moves (`update_bytes`, what the planner predicts). The layout itself is written by
+`lazytrain_hf.streaming.nvmestate` (Note: [The state on NVMe commits per optimizer step] there)."""
 
 from __future__ import annotations
 
 import json
-import math
 import os
-from typing import Any
 
 import torch
 
 from ..optim.quant import num_blocks
+from ..planner.layouts import update_bytes  # noqa: F401 (re-exported)
 
 MANIFEST = "manifest.json"
 
@@ -56,25 +55,3 @@ def read_committed(path: str) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
                 per[p["name"]] = arrays
         out[int(key)] = per
     return out
-
-
-def update_bytes(
-    tensors: list[tuple[int, Any, bool]],
-    compute_bytes: int,
-    block_size: int = 256,
-    min_8bit_size: int = 4096,
-) -> tuple[int, int]:
-    """``(bytes read, bytes written)`` of one `NvmeState.update_unit` of a unit whose streamed tensors are
-    ``[(numel, dtype, trainable)]``: per trainable tensor its master and gradient (and 8-bit codes and scales) in, its
-    master (and moments) out; the compute copy out, and in first when the unit has frozen tensors."""
-    read = write = 0
-    for n, _, t in tensors:
-        if not t:
-            continue
-        q = 2 * n + 8 * math.ceil(n / block_size) if n >= min_8bit_size else 0
-        read += 8 * n + q
-        write += 4 * n + q
-    write += compute_bytes
-    if any(not t for _, _, t in tensors):
-        read += compute_bytes
-    return read, write

@@ -14,8 +14,10 @@ copy from the master is then a single ``copy_`` of a prefix.
 
 Memory: the fp32 masters are pageable (only the optimizer on the host reads and writes them); the compute copy and
 the gradient accumulators (what host<->device copies read and write) are pinned on CUDA, each allocated at its exact
-size (Note: [Pinned blocks are registered, not cached]). A layer is laid out by `layer_layout`, the same function the
-host-memory accounting (`lazytrain_hf.planner.hostmem`) sizes it with, so the accounting is the store's byte count.
+size (Note: [Pinned blocks are registered, not cached]). A layer is laid out by `layer_layout`
+(`lazytrain_hf.planner.layouts`, re-exported here with `ALIGN_BYTES`, `align_up` and `LayerLayout`), the same
+function the host-memory accounting (`lazytrain_hf.planner.hostmem`) sizes it with, so the accounting is the store's
+byte count.
 Parameters left on disk (`lazytrain_hf.from_pretrained`, meta tensors with a `DiskSource`) are read one layer at a
 time straight into the layer's buffers (Note: [A layer is read from disk into its buffers]).
 """
@@ -29,86 +31,7 @@ import torch
 import torch.nn as nn
 
 from .. import pinned
-
-# Every parameter starts at a multiple of 256 bytes inside the flat buffers and the device slots: enough for any
-# dtype view (`Tensor.view(dtype)` needs itemsize alignment), for vectorised CPU kernels (64 B) and for CUDA
-# (cudaMalloc gives 256 B alignment; some kernels assume 16 B).
-ALIGN_BYTES = 256
-
-
-def align_up(n: int, to: int = ALIGN_BYTES) -> int:
-    """``n`` rounded up to a multiple of ``to`` (default `ALIGN_BYTES`)."""
-    return (n + to - 1) // to * to
-
-
-@dataclass(frozen=True)
-class LayerLayout:
-    """Byte layout of one layer in the host store (what `HostStore.add_layer` allocates), from shapes and dtypes.
-
-    Attributes:
-        offsets: per parameter, in store order (trainable first): ``(byte offset in the compute copy, element offset
-            in the fp32 master / grad buffers or -1 for a frozen parameter, compute dtype)``.
-        order: the input indices of the parameters in store order.
-        compute_bytes: bytes of the compute copy (alignment padding included; also a device slot's size).
-        train_elems: elements of the fp32 master and of the gradient accumulator (0: no trainable parameter).
-        aliased: the compute copy is fp32 and the master is a prefix of it (Note: [Compute copy aliases the fp32
-            master]).
-    """
-
-    offsets: tuple[tuple[int, int, torch.dtype], ...]
-    order: tuple[int, ...]
-    compute_bytes: int
-    train_elems: int
-    aliased: bool
-
-    @property
-    def master_bytes(self) -> int:
-        """Bytes of the separate (pageable) fp32 master: 0 when aliased with the compute copy."""
-        return 0 if self.aliased else 4 * self.train_elems
-
-    @property
-    def grad_bytes(self) -> int:
-        return 4 * self.train_elems
-
-
-def layer_layout(params: list[tuple[int, torch.dtype, bool]], compute_dtype: torch.dtype | None = None) -> LayerLayout:
-    """The store layout of a layer whose streamed parameters are ``params`` = ``[(numel, dtype, trainable)]``.
-
-    Trainable parameters come first; with one compute dtype every parameter starts at an element offset aligned to
-    `ALIGN_BYTES` shared by the compute copy, the master and the grad; with several, the compute copy is a byte
-    buffer with its own aligned offsets. ``compute_dtype``: the compute copy of fp32 parameters in this dtype.
-    """
-    order = [i for i, (_, _, t) in enumerate(params) if t] + [i for i, (_, _, t) in enumerate(params) if not t]
-
-    def dtype_of(dt: torch.dtype) -> torch.dtype:
-        return compute_dtype if compute_dtype is not None and dt == torch.float32 else dt
-
-    dtypes = {dtype_of(params[i][1]) for i in order}
-    single = next(iter(dtypes)) if len(dtypes) == 1 else None
-    offsets = []
-    elem = 0  # next free element in the fp32 master / grad buffers (and, for one dtype, the compute copy)
-    byte = 0  # next free byte in the compute copy (mixed dtypes only)
-    n_train = 0
-    for i in order:
-        numel, dt, trainable = params[i]
-        cdt = dtype_of(dt)
-        if single is not None:
-            elem = align_up(elem, max(1, ALIGN_BYTES // single.itemsize))
-            b_off, e_off = elem * single.itemsize, elem
-            elem += numel
-        else:
-            b_off = byte = align_up(byte)
-            byte += numel * cdt.itemsize
-            e_off = -1
-            if trainable:
-                e_off = elem = align_up(elem, ALIGN_BYTES // 4)
-                elem += numel
-        if trainable:
-            n_train = max(n_train, e_off + numel)
-        offsets.append((b_off, e_off if trainable else -1, cdt))
-    if single is not None:
-        byte = elem * single.itemsize
-    return LayerLayout(tuple(offsets), tuple(order), align_up(byte), n_train, single == torch.float32)
+from ..planner.layouts import ALIGN_BYTES, LayerLayout, align_up, layer_layout  # noqa: F401 (re-exported)
 
 
 # Note: [Pinned blocks are registered, not cached]

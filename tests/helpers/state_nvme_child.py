@@ -12,12 +12,13 @@ from trainer_fixtures import make_trainer
 from transformers import TrainerCallback
 
 import lazytrain_hf.streaming.nvmestate as ns
+from lazytrain_hf.planner import layouts
 
 
 def main() -> None:
     mode, root = sys.argv[1], sys.argv[2]
     os.makedirs(os.path.join(root, "state"), exist_ok=True)
-    ns.CHUNK_ELEMS = 4096
+    layouts.CHUNK_ELEMS = 4096
     handle = {}
 
     class Dump(TrainerCallback):
