@@ -14,6 +14,10 @@ training state in host RAM between uses. `NvmeState` owns one file per such unit
   their fp32 moments in RAM (norms and biases: a few KB per layer). Each parameter's arrays start at `IO_ALIGN`
   and are padded to it, so chunks never share a block of the file.
 
+Its parts live beside it: the chunked optimizer step (`stateupdate.ChunkedUpdate`, a base class of `NvmeState`), the
+per-unit records and the host-window helpers (`statelayout.py`), the committed files read as data (`statefiles.py`),
+the registered windows (`statewindows.py`); the byte sizes the planner predicts are `lazytrain_hf.planner.layouts`'.
+
 Note: [The out-of-core optimizer step is chunked]
     `update_unit` runs a unit's AdamW step in chunks of `CHUNK_ELEMS` elements of one parameter (a multiple of
     every block size, so a chunk holds whole quantisation blocks and the kernel computes exactly what one pass over
@@ -59,113 +63,29 @@ import threading
 import weakref
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from ..activations import nvme as _io
-from ..activations.tiers import aligned, round_up
-from ..optim.kernels import AdamWScalars, adamw8bit_step, adamw32_step
-from ..optim.quant import Quantized8bit, dynamic_lookup, num_blocks
+from ..activations.tiers import round_up
+from ..optim.quant import dynamic_lookup, num_blocks
 from ..planner import layouts
 from ..planner.layouts import IO_ALIGN, state_file_bytes  # noqa: F401 (re-exported)
 from ..units import format_bytes
 
 # read_committed and update_bytes are public names of this module too (planner, tests and benchmarks import them here)
 from .statefiles import MANIFEST, gather_scales, read_committed, update_bytes  # noqa: F401
+from .statelayout import StateNvmeError, StateParam, StateUnit, aligned_empty, poison, poisoned_like, rebind
+from .stateupdate import ChunkedUpdate
 from .statewindows import WindowPool
-from .store import poisoned
 
 BUILD_WINDOW = 64 << 20  # bytes of the window a unit's state is written through when it is moved to its file
 _DIR_PREFIX = "lazytrain-state_"
 _DIR_RE = re.compile(r"^lazytrain-state_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
 
 
-class StateNvmeError(OSError):
-    """Reading or writing the training state in ``state_nvme_dir`` failed (e.g. ENOSPC). The committed state (the
-    last complete optimizer step) is left as it was."""
-
-
-def aligned_empty(nbytes: int) -> torch.Tensor:
-    """An uninitialised uint8 host buffer of ``round_up(nbytes, IO_ALIGN)`` bytes at an `IO_ALIGN`-aligned address."""
-    n = round_up(max(int(nbytes), 1), IO_ALIGN)
-    return aligned(torch.empty(n + IO_ALIGN, dtype=torch.uint8), n, IO_ALIGN)
-
-
-def _poison(t: torch.Tensor) -> None:
-    """Point ``t`` (same Python object: every holder sees it) at one NaN (zero for integer dtypes) with zero strides:
-    the unit's state is not in RAM, and a read that should not happen sees garbage instead of stale values."""
-    fill = float("nan") if t.dtype.is_floating_point else 0
-    src = torch.full((1,), fill, dtype=t.dtype)
-    t.set_(src.untyped_storage(), 0, t.shape, (0,) * t.dim())
-
-
-def _poisoned_like(t: torch.Tensor) -> torch.Tensor:
-    """`store.poisoned` of ``t``'s shape and dtype: replacing a view by it lets the view's base buffer go."""
-    return poisoned(t.shape, t.dtype)
-
-
-def _rebind(t: torch.Tensor, window: torch.Tensor, byte_offset: int, shape: torch.Size) -> None:
-    """Point ``t`` at ``shape`` contiguous elements of its dtype at ``byte_offset`` of the uint8 ``window``."""
-    it = t.dtype.itemsize
-    strides, acc = [], 1
-    for d in reversed(tuple(shape)):  # contiguous strides
-        strides.append(acc)
-        acc *= int(d)
-    strides = tuple(reversed(strides))
-    base = window.storage_offset() + byte_offset
-    if base % it:
-        raise ValueError(f"byte offset {base} is not aligned to {t.dtype}")
-    t.set_(window.untyped_storage(), base // it, shape, strides)
-
-
-@dataclass
-class _Param:
-    """Where one trainable parameter's state lives in its unit's file."""
-
-    name: str
-    numel: int
-    elem_offset: int  # in the store's flat master / grad
-    q8: bool
-    nblk: int
-    master: tuple[int, int]  # file offset per generation
-    m_codes: tuple[int, int] = (0, 0)
-    v_codes: tuple[int, int] = (0, 0)
-    m_abs: tuple[int, int] = (0, 0)
-    v_abs: tuple[int, int] = (0, 0)
-    step: int = 0  # committed optimizer steps of this parameter
-    small: tuple[torch.Tensor, torch.Tensor] | None = None  # fp32 m, v in RAM (tensors under min_8bit_size)
-    chunk: int = layouts.CHUNK_ELEMS  # elements per chunk (Note: [The out-of-core optimizer step is chunked])
-    abs_slot: int = 0  # bytes of each chunk's block-scale slot
-
-    def chunks(self) -> list[tuple[int, int]]:
-        return [(a, min(self.numel, a + self.chunk)) for a in range(0, self.numel, self.chunk)]
-
-    def abs_at(self, a: int) -> int:
-        """Byte offset of the block scales of the chunk starting at element ``a``, inside a scale region."""
-        return (a // self.chunk) * self.abs_slot
-
-
-@dataclass
-class _Unit:
-    key: int
-    path: str
-    fd: int
-    compute_bytes: int
-    grad_off: int
-    train_elems: int
-    params: list[_Param]
-    has_frozen: bool
-    fused: bool  # the trainable compute copy is bf16 and written by the fused kernel (Note: [The compute copy is
-    # written in the fused pass] in training/updater.py)
-    aliased: bool
-    compute_views: list[tuple[int, int, torch.dtype]] = field(default_factory=list)  # per param (byte off, n, dtype)
-    gen: int = 0
-    pending: dict[str, int] | None = None  # step counts written to generation 1 - gen, not committed yet
-
-
-class NvmeState:
+class NvmeState(ChunkedUpdate):
     """The training state of the units in ``plan.state_nvme`` on NVMe (see the module docstring).
 
     Args:
@@ -198,7 +118,7 @@ class NvmeState:
             raise ValueError(f"state_nvme_dir={root!r}: {why}; use a filesystem that supports O_DIRECT.")
         self.direct = why is None
         self.io_reason = "O_DIRECT with 4096-byte aligned buffers, offsets and sizes" if self.direct else why
-        self.units: dict[int, _Unit] = {}
+        self.units: dict[int, StateUnit] = {}
         self.step = 0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-r")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-w")
@@ -218,7 +138,7 @@ class NvmeState:
         return f"NvmeState(path={self.path!r}, units={sorted(self.units)}, direct={self.direct}, step={self.step})"
 
     # ------------------------------------------------------------------ raw I/O
-    def _pwrite(self, u: _Unit, buf: torch.Tensor, nbytes: int, offset: int) -> None:
+    def _pwrite(self, u: StateUnit, buf: torch.Tensor, nbytes: int, offset: int) -> None:
         """Write ``nbytes`` of the aligned window ``buf`` at ``offset`` (a multiple of `IO_ALIGN`)."""
         try:
             if self.direct:
@@ -236,7 +156,7 @@ class NvmeState:
                 f"committed step ({self.step}) is intact.",
             ) from e
 
-    def _pread(self, u: _Unit, out: torch.Tensor, nbytes: int, offset: int) -> None:
+    def _pread(self, u: StateUnit, out: torch.Tensor, nbytes: int, offset: int) -> None:
         try:
             if self.direct:
                 _io._pread_all(u.fd, _io._bytes_of(out[: round_up(nbytes, IO_ALIGN)]), offset)
@@ -248,7 +168,7 @@ class NvmeState:
                 e.errno, f"reading the training state of unit {u.key} from {u.path} failed ({e.strerror or e})."
             ) from e
 
-    def _read_range(self, u: _Unit, out: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
+    def _read_range(self, u: StateUnit, out: torch.Tensor, offset: int, nbytes: int) -> torch.Tensor:
         """Read ``nbytes`` at any ``offset`` (aligned superset into ``out``); returns the ``nbytes`` view."""
         lo = offset - offset % IO_ALIGN
         hi = round_up(offset + nbytes, IO_ALIGN)
@@ -263,7 +183,7 @@ class NvmeState:
         """Move the freshly built `LayerStore` ``ls`` of unit ``key`` to its file (compute copy, masters, zero
         moments as generation 0) and release its RAM: its flat buffers and views then point at poison."""
         lay = ls.layout
-        params: list[_Param] = []
+        params: list[StateParam] = []
         off = round_up(lay.compute_bytes, IO_ALIGN)
         grad_off = off
         off += round_up(4 * lay.train_elems, IO_ALIGN)
@@ -275,7 +195,7 @@ class NvmeState:
             q8 = e.numel >= self.min_8bit_size
             nblk = num_blocks(e.numel, self.block_size) if q8 else 0
             slot = round_up(4 * (chunk // self.block_size), IO_ALIGN)
-            params.append(_Param(e.name, e.numel, e.elem_offset, q8, nblk, (0, 0), chunk=chunk, abs_slot=slot))
+            params.append(StateParam(e.name, e.numel, e.elem_offset, q8, nblk, (0, 0), chunk=chunk, abs_slot=slot))
         for g in (0, 1):
             for p in params:
                 a = round_up(4 * p.numel, IO_ALIGN)
@@ -294,7 +214,7 @@ class NvmeState:
         if not self.direct:
             _io.no_readahead(fd)
         fused = not ls.aliased and bool(ents) and all(e.dtype == torch.bfloat16 for e in ents)
-        u = _Unit(
+        u = StateUnit(
             key,
             path,
             fd,
@@ -345,10 +265,10 @@ class NvmeState:
         # master view, at their poisoned compute view, so the buffers go now, not once the whole store is built
         for name in ("compute_bytes", "compute", "master", "grad"):
             if getattr(ls, name) is not None:
-                setattr(ls, name, _poisoned_like(getattr(ls, name)))
+                setattr(ls, name, poisoned_like(getattr(ls, name)))
         for views in (ls.compute_views, ls.master_views, ls.grad_views):
             for k in list(views):
-                views[k] = _poisoned_like(views[k])
+                views[k] = poisoned_like(views[k])
         with torch.no_grad():
             for e in ls.entries:
                 e.param.data = ls.compute_views[e.name]
@@ -416,9 +336,9 @@ class NvmeState:
                 read = None
         else:
             win[:nbytes].zero_()  # alignment padding between parameters is part of the norm: zeros
-        _rebind(ls.grad, win, 0, torch.Size([u.train_elems]))
+        rebind(ls.grad, win, 0, torch.Size([u.train_elems]))
         for e in ls.trainable_entries:
-            _rebind(ls.grad_views[e.name], win, 4 * e.elem_offset, e.shape)
+            rebind(ls.grad_views[e.name], win, 4 * e.elem_offset, e.shape)
         ls._grad_window, ls._grad_block = win, block
         return read
 
@@ -429,9 +349,9 @@ class NvmeState:
         nbytes = 4 * u.train_elems
         self.trace.transfer("nvme_write", nbytes, torch.float32, key, "grad")
         self._pwrite(u, win, nbytes, u.grad_off)
-        _poison(ls.grad)
+        poison(ls.grad)
         for t in ls.grad_views.values():
-            _poison(t)
+            poison(t)
         block = ls.__dict__.pop("_grad_block", None)
         if block is not None:
             self._windows.put(block)
@@ -449,123 +369,6 @@ class NvmeState:
         self._pread(u, win, nbytes, u.grad_off)
         flat = win[:nbytes].view(torch.float32)
         return {e.name: flat.narrow(0, e.elem_offset, e.numel).view(e.shape) for e in ls.trainable_entries}
-
-    # ------------------------------------------------------------------ optimizer
-    def check_optimizer(self, optimizer, where: dict[int, tuple[int, int]], masters: dict[int, list]) -> None:
-        """The optimizer's 8-bit layout must be the one the files were laid out with."""
-        for ms in masters.values():
-            for m in ms:
-                g = optimizer.param_groups[where[id(m)][0]]
-                if g["block_size"] != self.block_size or g["min_8bit_size"] != self.min_8bit_size:
-                    raise ValueError(
-                        f"the optimizer's block_size={g['block_size']}, min_8bit_size={g['min_8bit_size']} differ "
-                        f"from the layout of the state on NVMe ({self.block_size}, {self.min_8bit_size}); pass the "
-                        "same optim_block_size / optim_min_8bit_size to LazyTrainingArguments."
-                    )
-
-    def update_unit(self, key: int, groups: list[dict], backend: str, clip: float, step: int) -> None:
-        """One AdamW step of unit ``key`` out of core (Note: [The out-of-core optimizer step is chunked]).
-
-        ``groups``: per trainable parameter in store order, its frozen hyperparameter group.
-        """
-        u = self.units[key]
-        old, new = u.gen, 1 - u.gen
-        self._in_pass = True  # compute copies may now be ahead of the committed state until `commit`
-        trace = self.trace
-        cwin = aligned_empty(u.compute_bytes)
-        if u.has_frozen:
-            trace.transfer("nvme_read", u.compute_bytes, "uint8", key, "compute")
-            self._pread(u, cwin, u.compute_bytes, 0)
-        else:
-            cwin[: u.compute_bytes].zero_()
-        tasks = [(k, p, a, b) for k, p in enumerate(u.params) for a, b in p.chunks()]
-
-        def load(task):
-            _, p, a, b = task
-            n = b - a
-            w = {"master": aligned_empty(4 * n), "grad": aligned_empty(4 * n + 2 * IO_ALIGN)}
-            self._pread(u, w["master"], 4 * n, p.master[old] + 4 * a)
-            trace.transfer("nvme_read", 4 * n, torch.float32, key, "master", step=step)
-            w["g"] = self._read_range(u, w["grad"], u.grad_off + 4 * (p.elem_offset + a), 4 * n).view(torch.float32)
-            trace.transfer("nvme_read", 4 * n, torch.float32, key, "grad", step=step)
-            if p.q8:
-                bs = self.block_size
-                ba, bb = a // bs, num_blocks(b, bs)
-                for name in ("m_codes", "v_codes"):
-                    w[name] = aligned_empty(n)
-                    self._pread(u, w[name], n, getattr(p, name)[old] + a)
-                for name in ("m_abs", "v_abs"):
-                    w[name] = aligned_empty(4 * (bb - ba))
-                    self._pread(u, w[name], 4 * (bb - ba), getattr(p, name)[old] + p.abs_at(a))
-                trace.transfer("nvme_read", 2 * n + 8 * (bb - ba), torch.uint8, key, "moments", step=step)
-            return w
-
-        def store(task, w):
-            _, p, a, b = task
-            n = b - a
-            self._pwrite(u, w["master"], 4 * n, p.master[new] + 4 * a)
-            trace.transfer("nvme_write", 4 * n, torch.float32, key, "master", step=step)
-            if p.q8:
-                bs = self.block_size
-                ba, bb = a // bs, num_blocks(b, bs)
-                for name in ("m_codes", "v_codes"):
-                    self._pwrite(u, w[name], n, getattr(p, name)[new] + a)
-                for name in ("m_abs", "v_abs"):
-                    self._pwrite(u, w[name], 4 * (bb - ba), getattr(p, name)[new] + p.abs_at(a))
-                trace.transfer("nvme_write", 2 * n + 8 * (bb - ba), torch.uint8, key, "moments", step=step)
-
-        steps: dict[str, int] = {}
-        reads: deque = deque()
-        writes: deque = deque()
-        try:
-            for t in tasks[:2]:
-                reads.append(self._reader.submit(load, t))
-            for idx, task in enumerate(tasks):
-                k, p, a, b = task
-                w = reads.popleft().result()
-                if idx + 2 < len(tasks):
-                    reads.append(self._reader.submit(load, tasks[idx + 2]))
-                n = b - a
-                group = groups[k]
-                beta1, beta2 = group["betas"]
-                pstep = p.step + 1
-                steps[p.name] = pstep
-                scalars = AdamWScalars.make(
-                    group["lr"], beta1, beta2, group["eps"], group["weight_decay"], pstep, clip
-                )
-                master = w["master"][: 4 * n].view(torch.float32)
-                grad = w["g"]
-                boff, _, cdt = u.compute_views[k]
-                out = None
-                if u.fused:
-                    out = cwin.narrow(0, boff + 2 * a, 2 * n).view(torch.bfloat16)
-                if p.q8:
-                    bs = self.block_size
-                    nb = num_blocks(b, bs) - a // bs
-                    m = Quantized8bit(w["m_codes"][:n], w["m_abs"][: 4 * nb].view(torch.float32), bs, True)
-                    v = Quantized8bit(w["v_codes"][:n], w["v_abs"][: 4 * nb].view(torch.float32), bs, False)
-                    adamw8bit_step(master, grad, m, v, scalars, out, backend)
-                else:
-                    adamw32_step(master, grad, p.small[0].narrow(0, a, n), p.small[1].narrow(0, a, n), scalars, out)
-                if out is None:  # the compute copy from the master, as `LayerStore.sync` does
-                    cwin.narrow(0, boff + cdt.itemsize * a, cdt.itemsize * n).view(cdt).copy_(master)
-                while len(writes) >= 2:
-                    writes.popleft().result()
-                writes.append(self._writer.submit(store, task, w))
-            while writes:
-                writes.popleft().result()
-            trace.transfer("nvme_write", u.compute_bytes, "uint8", key, "compute", step=step)
-            self._pwrite(u, cwin, u.compute_bytes, 0)
-        except BaseException:
-            for f in (*reads, *writes):
-                with contextlib.suppress(BaseException):
-                    f.result()
-            raise
-        u.pending = steps
-
-    def skip_unit(self, key: int) -> None:
-        """The unit had no gradient this step: its committed generation stays."""
-        self.units[key].pending = None
 
     def commit(self, step: int) -> None:
         """Make the generations written since the last commit the committed state of optimizer step ``step``
