@@ -318,6 +318,16 @@ class LazyTrainingArguments(TrainingArguments):
                 "train in fp16 with the plain Trainer."
             )
 
+        for cast in ("bf16_full_eval", "fp16_full_eval"):
+            if self.stream_enabled and getattr(self, cast, False):
+                raise ValueError(
+                    f"{cast}=True with stream_enabled=True: Trainer casts the whole model to "
+                    f"{'bf16' if cast.startswith('bf16') else 'fp16'} on the device for evaluation, while the "
+                    "streamed model lives in the host store and is moved by the executor. Use bf16=True instead "
+                    "(evaluation then streams the same bf16 compute copy training uses), or set "
+                    "stream_enabled=False to evaluate with the cast."
+                )
+
         # ---- derived defaults
         if self.optim_hybrid_8bit is None:
             self.optim_hybrid_8bit = bool(self.stream_enabled)
