@@ -448,10 +448,21 @@ class LazyTrainer(Trainer):
         mask = inputs.get("attention_mask")
         # a device tensor (no host sync per micro-batch); read once per log in `_throughput_logs`
         self._window["tokens"] += mask.sum() if mask is not None else inputs["input_ids"].numel()
-        loss = self.stream_handle.causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        loss = self.stream_handle.causal_lm_loss(
+            model,
+            inputs,
+            num_items_in_batch=num_items_in_batch,
+            aux_loss_weight=self._router_aux_weight(num_items_in_batch),
+        )
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
         return loss
+
+    def _router_aux_weight(self, num_items_in_batch: Any) -> float | None:
+        """The weight of a MoE model's router auxiliary loss in the chunked loss; None: the model's own
+        ``router_aux_loss_coef``, added as its ``*ForCausalLM.forward`` adds it (what Trainer trains). Subclasses
+        whose reference weighs it otherwise (TRL's SFT) override this."""
+        return None
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
