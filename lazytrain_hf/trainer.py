@@ -38,7 +38,7 @@ from transformers.utils import logging
 from . import models
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import checkpoints, planning
+from .training import batches, checkpoints, planning
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -315,13 +315,15 @@ class LazyTrainer(Trainer):
         return planning.measure_layer_times(self.model, batch, self.args.device, steps)
 
     def _sample_batch(self) -> dict[str, torch.Tensor]:
-        """One collated training micro-batch, taken without touching the training dataloader's RNG."""
+        """The longest collated training micro-batch the data can produce (its longest rows), taken without touching
+        the training dataloader's RNG."""
         if self.train_dataset is None:
             raise ValueError("LazyTrainer.train() needs a train_dataset to plan and train.")
         n = min(self.args.per_device_train_batch_size, len(self.train_dataset))
         if n == 0:
             raise ValueError("train_dataset is empty; pass a dataset with at least one row.")
-        rows = [self.train_dataset[i] for i in range(n)]
+        # Note: [The plan is made for the longest batch] in training/batches.py
+        rows = [self.train_dataset[i] for i in batches.longest_rows(self.train_dataset, n)]
         dl = self.get_train_dataloader()  # only for its collator (column removal included)
         batch = dl.collate_fn(rows) if hasattr(dl, "collate_fn") else self.data_collator(rows)
         return self._prepare_inputs(batch)
@@ -443,6 +445,8 @@ class LazyTrainer(Trainer):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+        if model.training:
+            batches.check_batch_planned(self.stream_handle.plan, inputs)  # Note: [The plan is made for the longest batch]
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")

@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from datasets import Dataset
-from trainer_fixtures import LossRecorder, make_trainer, token_dataset
+from trainer_fixtures import LossRecorder, make_trainer
 from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
@@ -67,6 +67,22 @@ def test_plan_holds_for_the_longest_batch(tmp_path):
     assert tr.lazy_plan.seq_len == 48, tr.lazy_plan.table()
     peaks = [log["peak_device_bytes"] for log in rec.logs]
     assert len(peaks) == 4 and all(0 < p <= budget for p in peaks), f"peaks {peaks} vs budget {budget}"
+
+
+def test_longest_rows_and_the_guard_for_longer_batches():
+    """The scan picks the longest rows of a `datasets.Dataset` and of a list of dicts; data it cannot scan is planned
+    from its first rows, and a longer batch arriving later is refused, naming the fix."""
+    from lazytrain_hf.planner.plan import LayerPlan, Plan
+    from lazytrain_hf.training.batches import check_batch_planned, longest_rows
+
+    rows = [{"input_ids": [1] * n} for n in (3, 9, 2, 9, 5)]
+    assert longest_rows(rows, 2) == [1, 3]
+    assert longest_rows(Dataset.from_list(rows), 3) == [1, 3, 4]
+    assert longest_rows([{"text": "a"}] * 4, 2) == [0, 1]
+    plan = Plan(layers=[LayerPlan(index=0, kind="full_attention")], micro_batch_size=2, seq_len=8)
+    check_batch_planned(plan, {"input_ids": torch.zeros(2, 8, dtype=torch.long)})
+    with pytest.raises(ValueError, match="batch of 9 tokens.*seq_len=8.*planner_gpu_budget.*max_length"):
+        check_batch_planned(plan, {"input_ids": torch.zeros(2, 9, dtype=torch.long)})
 
 
 # ---------------------------------------------------------------------------------------------- bf16_full_eval

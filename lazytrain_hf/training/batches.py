@@ -1,0 +1,76 @@
+"""The micro-batch a plan is made for: the longest one the training data can produce, never only the first.
+
+Note: [The plan is made for the longest batch]
+    The planner sizes activations, slots and the loss chunks from one collated micro-batch. Taking the dataset's
+    first rows sized the plan for whatever they happened to hold: with 4-token first rows and 48-token later ones the
+    measured device peak reached 5x ``planner_gpu_budget`` (on a GPU an out-of-memory error mid-epoch). The sample
+    batch is therefore collated from the ``per_device_train_batch_size`` longest rows (`longest_rows`, a length scan
+    of the ``input_ids`` column; Arrow's list lengths for a `datasets.Dataset`, no row is decoded), so a collator
+    that pads to the longest row gives the longest batch training can see; one that pads to a fixed ``max_length``
+    gives that length whatever the rows. Data whose rows cannot be scanned (an iterable dataset, rows without
+    ``input_ids``) are planned from their first rows, and `check_batch_planned` refuses, naming the fix, a training
+    batch longer than the plan's ``seq_len`` when it arrives instead of running over the budget.
+    Test: ``tests/test_trainer_honoured.py::test_plan_holds_for_the_longest_batch``.
+
+Functions take the dataset, plans and batches as arguments; this module never imports `transformers.Trainer`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+
+def row_lengths(dataset: Any) -> list[int] | None:
+    """The length of every row's ``input_ids`` of a map-style ``dataset``, or None where rows cannot be scanned (no
+    ``len()``, rows that are not mappings with ``input_ids``)."""
+    if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
+        return None
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency of transformers' Trainer tests
+        datasets = None
+    if datasets is not None and isinstance(dataset, datasets.Dataset):
+        if "input_ids" not in dataset.column_names:
+            return None
+        import pyarrow.compute as pc
+
+        column = dataset.with_format("arrow").select_columns(["input_ids"])[:]["input_ids"]
+        return [int(n) for n in pc.list_value_length(column).to_pylist()]
+    lengths = []
+    for i in range(len(dataset)):
+        row = dataset[i]
+        ids = row.get("input_ids") if isinstance(row, dict) else None
+        if ids is None:
+            return None
+        lengths.append(len(ids))
+    return lengths
+
+
+def longest_rows(dataset: Any, n: int) -> list[int]:
+    """Indices of the ``n`` longest rows of ``dataset`` (Note: [The plan is made for the longest batch]); the first
+    ``n`` rows where the rows cannot be scanned. Ties keep dataset order."""
+    lengths = row_lengths(dataset)
+    if lengths is None:
+        return list(range(n))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    return sorted(order[:n])
+
+
+def check_batch_planned(plan: Any, inputs: dict[str, Any]) -> None:
+    """Refuse a training micro-batch longer than the plan's ``seq_len`` (Note: [The plan is made for the longest
+    batch]): its activations would exceed what the plan placed within ``planner_gpu_budget``."""
+    ids = inputs.get("input_ids")
+    if plan is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
+        return
+    T = int(ids.shape[1])
+    if T > plan.seq_len:
+        raise ValueError(
+            f"a training batch of {T} tokens per sequence arrived, but the plan was made for seq_len={plan.seq_len} "
+            f"(the longest rows the data showed when train() started), so its activations would exceed "
+            "planner_gpu_budget. Pad every batch to a fixed length (e.g. a collator with padding='max_length' and "
+            "max_length set, or truncate the rows), use a map-style dataset with an 'input_ids' column (its rows "
+            "are scanned for the longest), or pass planner_plan made for the longest sequence "
+            "(`lazytrain plan --seq-len N --save plan.json`)."
+        )
