@@ -38,7 +38,7 @@ from transformers.utils import logging
 from . import models
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import batches, checkpoints, planning
+from .training import batches, checkpoints, planning, user_access
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -102,6 +102,8 @@ class LazyTrainer(Trainer):
         self._best_pending = False
         self._previous_optimizer: torch.optim.Optimizer | None = None
         self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
+        # Notes: [Callbacks see the updated weights], [In-place edits of weights are folded into the masters]
+        user_access.guard_callbacks(self.callback_handler, lambda: self._updater)
 
     # ------------------------------------------------------------------ train()
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
