@@ -114,7 +114,8 @@ def absorb_edits(handle: Any, updater: Any) -> int:
             if not on_host:  # a plan-resident layer's device slot: the host compute copy follows it
                 seen = visible.to("cpu").reshape(host.shape)
                 if not torch.equal(seen, host):
-                    handle.engine.wait_host_reads(key)  # Note: [Host compute copy is not rewritten while a fetch reads it]
+                    # Note: [Host compute copy is not rewritten while a fetch reads it] in streaming/engine.py
+                    handle.engine.wait_host_reads(key)
                     host.copy_(seen)
                     edited = True
             if e.trainable and ls.master is not None and not ls.aliased:
