@@ -14,7 +14,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from datasets import Dataset
-from trainer_fixtures import LossRecorder, make_trainer
+from trainer_fixtures import LossRecorder, make_trainer, token_dataset
 from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
@@ -232,7 +232,9 @@ def test_lazy_sft_moe_loss_equals_trl_under_gradient_accumulation(tmp_path):
     )
 
     def model():
-        return tiny_model("qwen3_moe", seed=1, vocab_size=len(tok), output_router_logits=True, router_aux_loss_coef=0.5)
+        return tiny_model(
+            "qwen3_moe", seed=1, vocab_size=len(tok), output_router_logits=True, router_aux_loss_coef=0.5
+        )
 
     ref_rec = LossRecorder()
     opt = dict(lr=1e-3, betas=(0.9, 0.999), eps=1e-8, block_size=256, min_8bit_size=4096)
@@ -246,9 +248,112 @@ def test_lazy_sft_moe_loss_equals_trl_under_gradient_accumulation(tmp_path):
     ).train()
     rec = LossRecorder()
     args = LazySFTConfig(
-        output_dir=str(tmp_path / "lazy"), planner_hardware="cpu", planner_warmup_steps=1, planner_time_limit=10,
+        output_dir=str(tmp_path / "lazy"),
+        planner_hardware="cpu",
+        planner_warmup_steps=1,
+        planner_time_limit=10,
         **common,
     )
     LazySFTTrainer(model=model(), args=args, train_dataset=ds, processing_class=tok, callbacks=[rec]).train()
     assert len(rec.losses) == len(ref_rec.losses) == 3
     assert rec.losses == pytest.approx(ref_rec.losses, rel=1e-5), (rec.losses, ref_rec.losses)
+
+
+# ---------------------------------------------------------------------------------------------- fp32 masters
+MODEL_KW = {"qwen2": dict(tie_word_embeddings=True, num_key_value_heads=4), "qwen3": {}}
+
+
+def _build(out, model_type: str = "qwen3", stream: bool = True, **extra) -> LazyTrainer:
+    """A 4-step LazyTrainer on token data (an eval set too), its LossRecorder as ``trainer.loss_recorder``."""
+    model = tiny_model(model_type, seed=1, **MODEL_KW[model_type])
+    args = LazyTrainingArguments(
+        output_dir=str(out),
+        max_steps=4,
+        learning_rate=1e-3,
+        stream_enabled=stream,
+        optim_hybrid_8bit=True,
+        **{**COMMON, **extra},
+    )
+    rec = LossRecorder()
+    tr = LazyTrainer(
+        model=model,
+        args=args,
+        train_dataset=token_dataset(),
+        eval_dataset=token_dataset(n=8, seed=9),
+        callbacks=[rec],
+    )
+    tr.loss_recorder = rec
+    return tr
+
+
+class Masters(TrainerCallback):
+    """The fp32 masters after every optimizer step, by parameter name."""
+
+    def __init__(self):
+        self.trainer = None
+        self.by_step: dict[int, dict[str, torch.Tensor]] = {}
+
+    def on_step_end(self, args, state, control, **kwargs):
+        values = self.trainer._updater.master_values()
+        self.by_step[state.global_step] = {k: v.detach().clone() for k, v in values.items()}
+
+
+def test_bf16_compute_of_fp32_model_checkpoints_and_best_model_from_masters(tmp_path):
+    """`bf16=True` on an fp32 model computes with a bf16 copy; its checkpoints hold the fp32 masters (as Trainer's hold
+    the fp32 model) and `load_best_model_at_end` restores the best step's masters bit for bit. The best step is the
+    first (greater_is_better=True on eval_loss), not the last. Before: the checkpoint weights were bf16 and the final
+    model their rounding (3.7e-3 off the masters)."""
+    from safetensors import safe_open
+
+    tr = _build(
+        tmp_path,
+        bf16=True,
+        save_strategy="steps",
+        save_steps=1,
+        eval_strategy="steps",
+        eval_steps=1,
+        load_best_model_at_end=True,
+        metric_for_best_model="eval_loss",
+        greater_is_better=True,
+    )
+    masters = Masters()
+    masters.trainer = tr
+    tr.add_callback(masters)
+    tr.train()
+    best = tr.state.best_model_checkpoint
+    step = int(best.rsplit("-", 1)[1])
+    assert step != 4, "the best step should not be the last one here"
+    with safe_open(f"{best}/model.safetensors", framework="pt") as f:
+        dtypes = {f.get_slice(k).get_dtype() for k in f.keys()}
+    assert dtypes == {"F32"}, f"checkpoint of an fp32 model written as {dtypes}"
+    ref = masters.by_step[step]
+    assert ref, "no masters captured"
+    params = dict(tr.model.named_parameters())
+    bad = [n for n, m in ref.items() if not torch.equal(params[n].detach(), m)]
+    assert not bad, f"{len(bad)} of {len(ref)} parameters differ from the best step's fp32 masters: {bad[:3]}"
+
+
+# ---------------------------------------------------------------------------------------------- toggled resume
+def _resume_trainer(out, model_type: str, stream: bool) -> LazyTrainer:
+    tr = _build(out, model_type, stream, optim_min_8bit_size=64, save_strategy="steps", save_steps=2)
+    if model_type == "qwen2":
+        assert tr.model.lm_head.weight is tr.model.model.embed_tokens.weight
+    return tr
+
+
+@pytest.mark.parametrize("model_type", ["qwen2", "qwen3"])
+@pytest.mark.parametrize("first", [True, False], ids=["on-to-off", "off-to-on"])
+def test_resume_with_streaming_toggled(tmp_path, model_type, first):
+    """A checkpoint written with streaming on resumes with it off and vice versa: the Adam moments go to the tensors
+    they belong to, so steps 3-4 equal an uninterrupted run (losses to 2e-6 relative, the feature matrix's tolerance;
+    weights to 2 x lr). qwen2 here is tied with full multi-head attention (q, k, v and o share a shape). Before:
+    qwen2's moments landed on other tensors silently (weights 6e-3 off); qwen3 was refused as "a different model"."""
+    ref = _resume_trainer(tmp_path / "ref", model_type, stream=first)
+    ref.train()
+    tr = _resume_trainer(tmp_path / "resumed", model_type, stream=not first)
+    tr.train(resume_from_checkpoint=str(tmp_path / "ref" / "checkpoint-2"))
+    assert tr.loss_recorder.losses == pytest.approx(ref.loss_recorder.losses[2:], rel=2e-6)
+    got, want = tr.model.state_dict(), ref.model.state_dict()
+    for k, v in want.items():
+        worst = (got[k].float() - v.float()).abs().max().item()
+        assert worst <= 2e-3, f"{k}: {worst} from the uninterrupted run"
