@@ -38,7 +38,7 @@ from transformers.utils import logging
 from . import models
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import batches, checkpoints, planning, user_access
+from .training import batches, checkpoints, planning, saved_weights, user_access
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -177,7 +177,9 @@ class LazyTrainer(Trainer):
         self.model._is_accelerate_prepared = True
         try:
             # Note: [fp32 masters in checkpoints] in training/checkpoints.py
-            checkpoints.restore_masters(checkpoint, self.stream_handle, self._updater, "store")
+            checkpoints.restore_masters(
+                checkpoint, self.stream_handle, self._updater, "store", in_weights=self._masters_in_weights()
+            )
             # Note: [Squared norms of accumulated gradients] in streaming/gradients.py: norms (and, in data
             # parallel, reductions) only on the last micro-batch of an optimizer step, as Trainer's gradient state says
             self.stream_handle.last_micro_batch = lambda: self.accelerator.sync_gradients
@@ -483,7 +485,13 @@ class LazyTrainer(Trainer):
         groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         if self.stream_handle is not None:
             self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
-            checkpoints.restore_masters(self._preloaded_checkpoint, self.stream_handle, self._updater, "resident")
+            checkpoints.restore_masters(
+                self._preloaded_checkpoint,
+                self.stream_handle,
+                self._updater,
+                "resident",
+                in_weights=self._masters_in_weights(),
+            )
             for name, master in self._updater.named_masters():
                 groups[name in decay].append(master)
         else:
@@ -669,7 +677,10 @@ class LazyTrainer(Trainer):
 
                 # units whose state is on NVMe are read from their state files, one at a time
                 checkpoints.save_streamed(
-                    self.model, output_dir, read=spill.read_values if spill is not None else None
+                    self.model,
+                    output_dir,
+                    read=spill.read_values if spill is not None else None,
+                    overrides=saved_weights.cast_overrides(self.stream_handle),
                 )
                 tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
                 if tokenizer is not None:
@@ -679,6 +690,11 @@ class LazyTrainer(Trainer):
             super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save and self.lazy_plan is not None:
             checkpoints.write_plan(self.lazy_plan, output_dir)
+
+    def _masters_in_weights(self) -> set[str]:
+        """The fp32 masters a checkpoint's weights file holds (Note: [A checkpoint holds the model in its own dtype]
+        in training/saved_weights.py): not written again into the masters file."""
+        return set(saved_weights.cast_overrides(self.stream_handle))
 
     def _save_checkpoint(self, model, trial) -> None:
         """Let Trainer write the checkpoint into a staging directory, add the fp32 masters and rename it into place
@@ -697,6 +713,8 @@ class LazyTrainer(Trainer):
         if not self.args.should_save:
             return
         masters = checkpoints.unsaved_masters(self.stream_handle, self._updater)
+        for name in self._masters_in_weights():  # Note: [A checkpoint holds the model in its own dtype]
+            masters.pop(name, None)
         # Note: [Checkpoints of the state on NVMe] in training/checkpoints.py
         checkpoints.write_nvme_optimizer_state(os.path.join(staging_root, os.path.basename(final)), self.stream_handle)
         checkpoints.publish_checkpoint(staging_root, final, masters)
