@@ -177,9 +177,8 @@ class LazyTrainer(Trainer):
         self.model._is_accelerate_prepared = True
         try:
             # Note: [fp32 masters in checkpoints] in training/checkpoints.py
-            checkpoints.restore_masters(
-                checkpoint, self.stream_handle, self._updater, "store", in_weights=self._masters_in_weights()
-            )
+            masters_in_weights = set(saved_weights.cast_overrides(self.stream_handle))
+            checkpoints.restore_masters(checkpoint, self.stream_handle, self._updater, "store", masters_in_weights)
             # Note: [Squared norms of accumulated gradients] in streaming/gradients.py: norms (and, in data
             # parallel, reductions) only on the last micro-batch of an optimizer step, as Trainer's gradient state says
             self.stream_handle.last_micro_batch = lambda: self.accelerator.sync_gradients
@@ -449,8 +448,8 @@ class LazyTrainer(Trainer):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        if model.training:
-            batches.check_batch_planned(self.stream_handle.plan, inputs)  # Note: [The plan is made for the longest batch]
+        if model.training:  # Note: [The plan is made for the longest batch]
+            batches.check_batch_planned(self.stream_handle.plan, inputs)
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")
@@ -485,13 +484,8 @@ class LazyTrainer(Trainer):
         groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         if self.stream_handle is not None:
             self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
-            checkpoints.restore_masters(
-                self._preloaded_checkpoint,
-                self.stream_handle,
-                self._updater,
-                "resident",
-                in_weights=self._masters_in_weights(),
-            )
+            ckpt, in_weights = self._preloaded_checkpoint, set(saved_weights.cast_overrides(self.stream_handle))
+            checkpoints.restore_masters(ckpt, self.stream_handle, self._updater, "resident", in_weights)
             for name, master in self._updater.named_masters():
                 groups[name in decay].append(master)
         else:
@@ -691,11 +685,6 @@ class LazyTrainer(Trainer):
         if self.args.should_save and self.lazy_plan is not None:
             checkpoints.write_plan(self.lazy_plan, output_dir)
 
-    def _masters_in_weights(self) -> set[str]:
-        """The fp32 masters a checkpoint's weights file holds (Note: [A checkpoint holds the model in its own dtype]
-        in training/saved_weights.py): not written again into the masters file."""
-        return set(saved_weights.cast_overrides(self.stream_handle))
-
     def _save_checkpoint(self, model, trial) -> None:
         """Let Trainer write the checkpoint into a staging directory, add the fp32 masters and rename it into place
         when complete (Note: [Atomic checkpoints] in training/checkpoints.py)."""
@@ -713,8 +702,8 @@ class LazyTrainer(Trainer):
         if not self.args.should_save:
             return
         masters = checkpoints.unsaved_masters(self.stream_handle, self._updater)
-        for name in self._masters_in_weights():  # Note: [A checkpoint holds the model in its own dtype]
-            masters.pop(name, None)
+        for name in saved_weights.cast_overrides(self.stream_handle):  # Note: [A checkpoint holds the model in its
+            masters.pop(name, None)  # own dtype] in training/saved_weights.py: in the weights file already
         # Note: [Checkpoints of the state on NVMe] in training/checkpoints.py
         checkpoints.write_nvme_optimizer_state(os.path.join(staging_root, os.path.basename(final)), self.stream_handle)
         checkpoints.publish_checkpoint(staging_root, final, masters)
