@@ -38,7 +38,7 @@ from transformers.utils import logging
 from . import models
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import batches, checkpoints, planning, saved_weights, user_access
+from .training import batches, checkpoints, optimizer_groups, planning, saved_weights, user_access
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -102,6 +102,7 @@ class LazyTrainer(Trainer):
         self._best_pending = False
         self._previous_optimizer: torch.optim.Optimizer | None = None
         self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
+        self._legacy_group_names: list[list[str]] | None = None  # Note: [Optimizer state is matched by parameter name]
         # Notes: [Callbacks see the updated weights], [In-place edits of weights are folded into the masters]
         user_access.guard_callbacks(self.callback_handler, lambda: self._updater)
 
@@ -351,8 +352,15 @@ class LazyTrainer(Trainer):
             raise ValueError(checkpoints.checkpoint_error(resume_from_checkpoint, e)) from e
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Note: [Optimizer state is matched by parameter name] in training/optimizer_groups.py
+        by_name = optimizer_groups.load_by_name(
+            self.optimizer, checkpoint, self.stream_handle is not None, self._legacy_group_names
+        )
         try:
-            super()._load_optimizer_and_scheduler(checkpoint)
+            with by_name:
+                super()._load_optimizer_and_scheduler(checkpoint)
+        except optimizer_groups.OptimizerStateMismatch:
+            raise
         except Exception as e:
             raise ValueError(checkpoints.checkpoint_error(checkpoint, e)) from e
         if checkpoint is not None and self.optimizer is not None:
@@ -481,22 +489,18 @@ class LazyTrainer(Trainer):
             return self.optimizer
         model = model if model is not None else self.model
         decay = set(self.get_decay_parameter_names(model))
-        groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         if self.stream_handle is not None:
             self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
             ckpt, in_weights = self._preloaded_checkpoint, set(saved_weights.cast_overrides(self.stream_handle))
             checkpoints.restore_masters(ckpt, self.stream_handle, self._updater, "resident", in_weights)
-            for name, master in self._updater.named_masters():
-                groups[name in decay].append(master)
+            named = self._updater.named_masters()
         else:
-            for name, p in model.named_parameters():
-                if p.requires_grad:
-                    groups[name in decay].append(p)
-        param_groups = [
-            {"params": groups[True], "weight_decay": self.args.weight_decay},
-            {"params": groups[False], "weight_decay": 0.0},
-        ]
-        param_groups = [g for g in param_groups if g["params"]]
+            named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # Note: [Optimizer state is matched by parameter name] in training/optimizer_groups.py
+        order = [name for name, _ in model.named_parameters()]
+        param_groups, self._legacy_group_names = optimizer_groups.decay_groups(
+            named, decay, self.args.weight_decay, order
+        )
         from .optim import HybridAdamW8bit
 
         opt = HybridAdamW8bit(

@@ -357,3 +357,48 @@ def test_resume_with_streaming_toggled(tmp_path, model_type, first):
     for k, v in want.items():
         worst = (got[k].float() - v.float()).abs().max().item()
         assert worst <= 2e-3, f"{k}: {worst} from the uninterrupted run"
+
+
+def _named_optimizer(names: list[str], seed: int):
+    from lazytrain_hf import HybridAdamW8bit
+
+    g = torch.Generator().manual_seed(seed)
+    params = [torch.zeros(8, 8) for _ in names]
+    opt = HybridAdamW8bit([{"params": params, "param_names": list(names)}], lr=1e-3, min_8bit_size=4096)
+    for p in params:
+        p.grad = torch.randn(8, 8, generator=g)
+    opt.step()
+    return opt, dict(zip(names, params))
+
+
+def test_optimizer_state_is_loaded_by_name(tmp_path):
+    """The saved state goes to the parameter of the same name whatever the order; a state for other parameters, or
+    a nameless one from a run with the other streaming mode, is refused naming why and the fix."""
+    from lazytrain_hf.args import PLAN_FILE
+    from lazytrain_hf.training.optimizer_groups import OptimizerStateMismatch, load_by_name
+
+    saved, by_name = _named_optimizer(["a", "b", "c"], seed=0)
+    sd = saved.state_dict()
+    opt, params = _named_optimizer(["c", "a", "b"], seed=1)
+    with load_by_name(opt, str(tmp_path), streamed=False, legacy_names=None):
+        opt.load_state_dict(sd)
+    for n in "abc":
+        assert torch.equal(opt.state[params[n]]["exp_avg"], saved.state[by_name[n]]["exp_avg"]), n
+
+    other, _ = _named_optimizer(["a", "b", "d"], seed=2)
+    with pytest.raises(OptimizerStateMismatch, match=r"belongs to other parameters.*missing: \['c'\].*\['d'\]"):
+        with load_by_name(opt, str(tmp_path), streamed=False, legacy_names=None):
+            opt.load_state_dict(other.state_dict())
+
+    nameless = saved.state_dict()
+    nameless["param_groups"] = [{k: v for k, v in g.items() if k != "param_names"} for g in nameless["param_groups"]]
+    (tmp_path / PLAN_FILE).write_text("{}")  # written by a streamed run
+    with pytest.raises(
+        OptimizerStateMismatch, match="stream_enabled=True.*stream_enabled=False.*with stream_enabled=True"
+    ):
+        with load_by_name(opt, str(tmp_path), streamed=False, legacy_names=[["c", "a", "b"]]):
+            opt.load_state_dict(nameless)
+    with load_by_name(opt, str(tmp_path), streamed=True, legacy_names=[["a", "b", "c"]]):  # its own legacy order
+        opt.load_state_dict(nameless)
+    for n in "abc":
+        assert torch.equal(opt.state[params[n]]["exp_avg"], saved.state[by_name[n]]["exp_avg"]), n
