@@ -16,11 +16,12 @@ Note: [In-place edits of weights are folded into the masters]
     Between steps a parameter of the model points at the device slot of a plan-resident layer, at the host compute
     copy of a streamed one (bf16 when an fp32 model computes in bf16) or at the device copy of a resident parameter;
     the optimizer updates the fp32 masters and rewrites those copies from them, so a callback's in-place edit
-    (clamping, weight surgery, an EMA swap) was lost wherever the visible tensor is not the master itself. After an
-    event was dispatched to a user callback (`absorb_edits`), every visible weight is compared with its master
-    converted to the visible dtype (the exact value the optimizer wrote: both round to nearest even): the elements that
-    differ are the user's edits and are written into the master (and into the host compute copy when the visible
-    tensor is a device slot), the others stay bit-exact. One pass over the weights (a device-to-host read of the
+    (clamping, weight surgery, an EMA swap) was lost wherever the visible tensor is not the master itself. After one
+    of the training-loop events (`EDIT_EVENTS`: step, substep, optimizer, epoch, train begin and end; not logging,
+    evaluation, saving or prediction, which read) was dispatched to a user callback that defines it (`absorb_edits`),
+    every visible weight is compared with its master converted to the visible dtype (the exact value the optimizer
+    wrote: both round to nearest even): the elements that differ are the user's edits and are written into the
+    master (and into the host compute copy when the visible tensor is a device slot), the others stay bit-exact. One pass over the weights (a device-to-host read of the
     resident ones) per such event. Units whose training state is on NVMe (``state_nvme_dir``) are not compared
     (their compute copy is read from their state file at each fetch). Tests:
     ``tests/test_trainer_honoured.py::test_callback_edits_to_weights_are_kept`` and
@@ -39,6 +40,21 @@ import torch
 # callbacks from these packages neither read nor edit weights between steps (progress, logging integrations,
 # Trainer's own flow, TRL's and LazyTrain's): dispatching to them needs no drain
 LIBRARY_PACKAGES = ("transformers", "trl", "peft", "accelerate", "lazytrain_hf")
+# the events after which a user callback's in-place weight edits are folded into the masters (Note: [In-place edits
+# of weights are folded into the masters]); the others (on_log, on_evaluate, on_save, on_predict, ...) only drain
+EDIT_EVENTS = frozenset(
+    {
+        "on_train_begin",
+        "on_epoch_begin",
+        "on_step_begin",
+        "on_substep_end",
+        "on_pre_optimizer_step",
+        "on_optimizer_step",
+        "on_step_end",
+        "on_epoch_end",
+        "on_train_end",
+    }
+)
 
 
 def _is_library(cls: type) -> bool:
@@ -63,8 +79,8 @@ def user_overrides(callbacks: list[Any], event: str) -> bool:
 
 def guard_callbacks(handler: Any, updater_of) -> None:
     """Wrap ``handler.call_event`` (a `CallbackHandler`) so that, while ``updater_of()`` returns a
-    `LayerwiseUpdater`, an event dispatched to a user callback first drains the update in flight and afterwards folds
-    the callback's in-place weight edits into the masters (Notes: [Callbacks see the updated weights], [In-place
+    `LayerwiseUpdater`, an event dispatched to a user callback first drains the update in flight and afterwards (an
+    `EDIT_EVENTS` event) folds the callback's in-place weight edits into the masters (Notes: [Callbacks see the updated weights], [In-place
     edits of weights are folded into the masters]). Idempotent."""
     if getattr(handler.call_event, "_lazytrain_guard", False):
         return
@@ -76,7 +92,8 @@ def guard_callbacks(handler: Any, updater_of) -> None:
             return inner(event, args, state, control, **kwargs)
         updater.wait_all()
         control = inner(event, args, state, control, **kwargs)
-        absorb_edits(updater.handle, updater)
+        if event in EDIT_EVENTS:
+            absorb_edits(updater.handle, updater)
         return control
 
     call_event._lazytrain_guard = True
