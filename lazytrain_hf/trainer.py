@@ -103,6 +103,7 @@ class LazyTrainer(Trainer):
         self._previous_optimizer: torch.optim.Optimizer | None = None
         self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
         self._legacy_group_names: list[list[str]] | None = None  # Note: [Optimizer state is matched by parameter name]
+        self._longer_batch_seen = False  # Note: [The plan is made for the longest batch] (warned once for a plan file)
         # Notes: [Callbacks see the updated weights], [In-place edits of weights are folded into the masters]
         user_access.guard_callbacks(self.callback_handler, lambda: self._updater)
 
@@ -456,8 +457,9 @@ class LazyTrainer(Trainer):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
-        if model.training:  # Note: [The plan is made for the longest batch]
-            batches.check_batch_planned(self.stream_handle.plan, inputs)
+        if model.training and not self._longer_batch_seen:  # Note: [The plan is made for the longest batch]
+            plan = self.stream_handle.plan
+            self._longer_batch_seen = batches.check_batch_planned(plan, inputs, from_file=self._plan_from_file)
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")

@@ -9,7 +9,8 @@ Note: [The plan is made for the longest batch]
     that pads to the longest row gives the longest batch training can see; one that pads to a fixed ``max_length``
     gives that length whatever the rows. Data whose rows cannot be scanned (an iterable dataset, rows without
     ``input_ids``) are planned from their first rows, and `check_batch_planned` refuses, naming the fix, a training
-    batch longer than the plan's ``seq_len`` when it arrives instead of running over the budget.
+    batch longer than the plan's ``seq_len`` when it arrives instead of running over the budget (a plan file given as
+    ``planner_plan`` is executed as is: a warning, once).
     Test: ``tests/test_trainer_honoured.py::test_plan_holds_for_the_longest_batch``.
 
 Functions take the dataset, plans and batches as arguments; this module never imports `transformers.Trainer`.
@@ -20,6 +21,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers.utils import logging
+
+logger = logging.get_logger(__name__)
 
 
 def row_lengths(dataset: Any) -> list[int] | None:
@@ -58,14 +62,22 @@ def longest_rows(dataset: Any, n: int) -> list[int]:
     return sorted(order[:n])
 
 
-def check_batch_planned(plan: Any, inputs: dict[str, Any]) -> None:
+def check_batch_planned(plan: Any, inputs: dict[str, Any], from_file: bool = False) -> bool:
     """Refuse a training micro-batch longer than the plan's ``seq_len`` (Note: [The plan is made for the longest
-    batch]): its activations would exceed what the plan placed within ``planner_gpu_budget``."""
+    batch]): its activations would exceed what the plan placed within ``planner_gpu_budget``. A plan file
+    (``planner_plan``, ``from_file``) is executed as is, its ``seq_len`` the caller's: a warning instead. Returns
+    whether the batch is longer."""
     ids = inputs.get("input_ids")
     if plan is None or not isinstance(ids, torch.Tensor) or ids.dim() < 2:
-        return
+        return False
     T = int(ids.shape[1])
-    if T > plan.seq_len:
+    if T > plan.seq_len and from_file:
+        logger.warning(
+            f"a training batch of {T} tokens per sequence arrived; the plan file (planner_plan) was made for "
+            f"seq_len={plan.seq_len}, so its activations may exceed its device budget. Make the plan for the longest "
+            "sequence (`lazytrain plan --seq-len N --save plan.json`)."
+        )
+    elif T > plan.seq_len:
         raise ValueError(
             f"a training batch of {T} tokens per sequence arrived, but the plan was made for seq_len={plan.seq_len} "
             f"(the longest rows the data showed when train() started), so its activations would exceed "
@@ -74,3 +86,4 @@ def check_batch_planned(plan: Any, inputs: dict[str, Any]) -> None:
             "are scanned for the longest), or pass planner_plan made for the longest sequence "
             "(`lazytrain plan --seq-len N --save plan.json`)."
         )
+    return T > plan.seq_len
