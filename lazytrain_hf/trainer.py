@@ -13,7 +13,8 @@ What changes against `transformers.Trainer` (everything else is inherited unchan
 - `_save_checkpoint()` / `save_model()`: written to a staging directory, then renamed, so an interrupted save never
   replaces a good checkpoint with a half-written one; weights are read from the host store (never gathered on the
   device); an fp32 model computing with a bf16 copy is written from its fp32 masters, and a bf16 model's checkpoints
-  carry its fp32 masters too. Resume restores them and the plan; the optimizer state is matched by parameter name. `training_args.bin` never holds the hub token.
+  carry its fp32 masters too. Resume restores them and the plan; the optimizer state is matched by parameter name.
+  `training_args.bin` never holds the hub token.
 - `evaluate()` / `predict()` / `streaming()`: inference with the model streamed.
 - `log()`: adds throughput (tokens/s, TFLOPS), peak device memory and predicted vs measured step time.
 
