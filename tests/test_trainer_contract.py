@@ -29,7 +29,7 @@ import os
 import pytest
 import torch
 from conftest import tiny_model
-from trainer_contract_table import CONTRACT_A_MERGED, FAST_RUNS, FIELDS, INIT_ARGS, RUNS
+from trainer_contract_table import CONTRACT_A_MERGED, FAST_RUNS, FIELDS, INIT_ARGS, INPUTS, RUNS
 from trainer_fixtures import token_dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
@@ -64,7 +64,7 @@ def test_every_trainer_argument_is_classified():
 
 
 def test_rows_are_well_formed():
-    for name, row in {**FIELDS, **INIT_ARGS}.items():
+    for name, row in ALL_ROWS.items():
         assert row.verdict in ("same", "refused", "n/a"), name
         if row.verdict == "same":
             assert row.run in RUNS, f"{name}: run {row.run!r} is not in RUNS"
@@ -72,7 +72,7 @@ def test_rows_are_well_formed():
             assert row.setting and row.pattern and row.where in ("args", "init", "train"), name
         else:
             assert row.reason, f"{name}: an n/a row needs its reason"
-    counts = {v: sum(r.verdict == v for r in {**FIELDS, **INIT_ARGS}.values()) for v in ("same", "refused", "n/a")}
+    counts = {v: sum(r.verdict == v for r in ALL_ROWS.values()) for v in ("same", "refused", "n/a")}
     print("contract rows:", counts)
 
 
@@ -144,6 +144,61 @@ def _preprocess(logits, labels):
 _TOKENIZER = {}
 
 
+class Clamp(TrainerCallback):
+    """Weight surgery between steps: every weight clamped in place after each step (the `clamp` run)."""
+
+    bound = 0.03
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.clamp_(-self.bound, self.bound)
+
+
+def _model(setting: dict):
+    """The model a run trains: the tiny qwen3, or what ``_model`` names."""
+    from conftest import tiny_config
+    from transformers import AutoModelForSequenceClassification, AutoModelForTokenClassification
+
+    kind = setting.get("_model")
+    if kind == "moe":
+        return tiny_model("qwen3_moe", seed=1, output_router_logits=True, router_aux_loss_coef=0.5)
+    if kind in ("seq_cls", "tok_cls"):
+        torch.manual_seed(1)
+        cfg = tiny_config("qwen3", num_labels=2, pad_token_id=0, attn_implementation="eager")
+        auto = AutoModelForSequenceClassification if kind == "seq_cls" else AutoModelForTokenClassification
+        return auto.from_config(cfg)
+    model = tiny_model("qwen3", seed=1)
+    if kind == "forward_wrapper":  # a user hook around forward: the loss it returns is what trains
+        import functools
+
+        inner = model.forward
+
+        @functools.wraps(inner)
+        def forward(*args, **kwargs):
+            out = inner(*args, **kwargs)
+            if out.loss is not None:
+                out.loss = 1.5 * out.loss
+            return out
+
+        model.forward = forward
+    elif kind == "forward_override":  # a subclass overriding forward
+        base = type(model)
+
+        class Overridden(base):
+            def forward(self, input_ids=None, attention_mask=None, labels=None, **kwargs):
+                out = super().forward(input_ids=input_ids, attention_mask=attention_mask, labels=labels, **kwargs)
+                if out.loss is not None:
+                    out.loss = 1.5 * out.loss
+                return out
+
+        model.__class__ = Overridden
+    if setting.get("_freeze"):
+        for layer in model.model.layers[:2]:
+            layer.requires_grad_(False)
+    return model
+
+
 def _tokenizer():
     if "tok" not in _TOKENIZER:
         from lazytrain_hf.data import build_embedded_tokenizer
@@ -183,13 +238,17 @@ def _train(out, setting: dict, lazy: bool, resume_from: str | None = None) -> di
         opt = dict(lr=args.learning_rate, betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
         extra = {"optimizer_cls_and_kwargs": (HybridAdamW8bit, {**opt, "block_size": 256, "min_8bit_size": 4096})}
     logs, events = Logs(), Events()
-    callbacks = [logs] + ([events] if setting.get("_callbacks") else [])
+    callbacks = [logs] + ([events] if setting.get("_callbacks") else []) + ([Clamp()] if setting.get("_clamp") else [])
+    frozen = {}
     if setting.get("_model_init"):
         extra["model_init"] = lambda *a: tiny_model("qwen3", seed=1)
     else:
-        extra["model"] = tiny_model("qwen3", seed=1)
+        extra["model"] = _model(setting)
+        frozen = {n: p.detach().clone() for n, p in extra["model"].named_parameters() if not p.requires_grad}
     if setting.get("_collator"):
         extra.update(train_dataset=_varlen_dataset(), data_collator=_pad)
+    elif setting.get("_iterable"):
+        extra["train_dataset"] = token_dataset(n=16).to_iterable_dataset()
     else:
         extra["train_dataset"] = token_dataset(n=16)
     if setting.get("_eval"):
@@ -211,7 +270,9 @@ def _train(out, setting: dict, lazy: bool, resume_from: str | None = None) -> di
     if setting.get("_files"):
         for root, _, names in os.walk(out):
             files |= {os.path.relpath(os.path.join(root, n), out) for n in names if n not in LAZY_FILES}
+    params = dict(trainer.model.named_parameters())
     return {
+        "frozen_changed": [n for n, v in frozen.items() if not torch.equal(params[n].detach(), v)],
         "logs": logs.logs,
         "events": events.events,
         "files": files,
@@ -236,6 +297,7 @@ def _compare(got: dict, ref: dict, rel: float, name: str, weights: bool) -> None
                 tol = max(rel, GRAD_NORM_BF16_RTOL) if k == "grad_norm" and rel > 2e-6 else rel
                 assert g[k] == pytest.approx(v, rel=tol, abs=1e-9), f"{name} log {i}: {k} {g[k]} vs Trainer's {v}"
     assert got["events"] == ref["events"], f"{name}: callback events differ"
+    assert not got["frozen_changed"] and not ref["frozen_changed"], (name, got["frozen_changed"][:3])
     assert got["files"] == ref["files"], f"{name}: files {sorted(got['files'] ^ ref['files'])} differ"
     assert (got["best"] is None) == (ref["best"] is None), name
     if got["best"] is not None:
@@ -246,11 +308,14 @@ def _compare(got: dict, ref: dict, rel: float, name: str, weights: bool) -> None
             assert worst <= 2 * LR, f"{name}: {k} is {worst} from Trainer's"
 
 
+ALL_ROWS = {**FIELDS, **INIT_ARGS, **INPUTS}
+
+
 def _rows_of(run: str) -> list:
-    return [r for r in {**FIELDS, **INIT_ARGS}.values() if r.verdict == "same" and r.run == run]
+    return [r for r in ALL_ROWS.values() if r.verdict == "same" and r.run == run]
 
 
-RUN_NAMES = sorted({r.run for r in {**FIELDS, **INIT_ARGS}.values() if r.verdict == "same"})
+RUN_NAMES = sorted({r.run for r in ALL_ROWS.values() if r.verdict == "same"})
 
 
 @pytest.mark.parametrize("run", [r if r in FAST_RUNS else pytest.param(r, marks=pytest.mark.slow) for r in RUN_NAMES])
@@ -272,19 +337,23 @@ def test_same_as_trainer(tmp_path, request, run):
         torch.use_deterministic_algorithms(deterministic)  # full_determinism switches it on process-wide
     ref, got = results
     assert got["logs"] and any("loss" in g for g in got["logs"]), run
-    _compare(got, ref, rel, run, weights=bool(setting.get("load_best_model_at_end")))
+    _compare(got, ref, rel, run, weights=bool(setting.get("load_best_model_at_end") or setting.get("_clamp")))
+    if setting.get("_clamp"):
+        worst = max(v.abs().max().item() for v in got["weights"].values())
+        assert worst <= Clamp.bound, f"max abs weight {worst} after clamping every step to {Clamp.bound}"
 
 
 # ---------------------------------------------------------------------------------------------- refused rows
-REFUSED = sorted(name for name, row in {**FIELDS, **INIT_ARGS}.items() if row.verdict == "refused")
+REFUSED = sorted(name for name, row in ALL_ROWS.items() if row.verdict == "refused")
 
 
 @pytest.mark.parametrize("name", REFUSED)
 def test_refused_with_the_fix(tmp_path, request, name):
-    row = {**FIELDS, **INIT_ARGS}[name]
+    row = ALL_ROWS[name]
     _xfail_part_a(request, [row])
     setting = dict(row.setting)
     init = setting.pop("_init", None)
+    kind = setting.pop("_model", None)
     if setting.get("parallelism_config") == "_tp":
         from accelerate import ParallelismConfig
 
@@ -294,7 +363,7 @@ def test_refused_with_the_fix(tmp_path, request, name):
     with pytest.raises(ValueError) as err:
         args = LazyTrainingArguments(**base, **setting)
         assert row.where != "args", f"{name}: accepted by LazyTrainingArguments"
-        model = tiny_model("qwen3", seed=1)
+        model = _model({"_model": kind})
         kw = {}
         if init == "optimizers":
             kw["optimizers"] = (torch.optim.SGD(model.parameters(), lr=0.1), None)

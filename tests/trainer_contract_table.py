@@ -54,7 +54,9 @@ def na(reason: str) -> Row:
 # starting with "_" are the test's own: _eval (an eval set), _metrics (compute_metrics and
 # preprocess_logits_for_metrics), _callbacks (a recording callback), _collator (a padding collator over rows of
 # several lengths), _loss_func (compute_loss_func), _tokenizer (processing_class), _files (compare the files written),
-# _bf16 (bf16 tolerance), _model_init (model_init instead of model).
+# _bf16 (bf16 tolerance), _model_init (model_init instead of model), _model (another model: a forward wrapper or
+# override, a MoE with the router aux loss, another head), _freeze (layers 0-1 frozen, checked bit-identical),
+# _iterable (an IterableDataset), _clamp (a callback clamping the weights in place after every step).
 RUNS: dict[str, dict[str, Any]] = {
     "base": {},
     "epochs": dict(max_steps=-1, num_train_epochs=2),
@@ -153,6 +155,13 @@ RUNS: dict[str, dict[str, Any]] = {
     ),
     "loss_func": dict(_loss_func=True),
     "model_init": dict(_model_init=True),
+    # what the user hands in as the model, the data or a callback (INPUTS)
+    "forward_wrapper": dict(_model="forward_wrapper"),
+    "forward_override": dict(_model="forward_override"),
+    "frozen_bf16": dict(bf16=True, _bf16=True, _freeze=True),
+    "iterable": dict(_iterable=True),
+    "clamp": dict(_clamp=True),
+    "moe": dict(gradient_accumulation_steps=2, _model="moe"),
 }
 
 # Which runs are part of the default (fast) test run; the others are marked slow.
@@ -167,6 +176,7 @@ FAST_RUNS = {
     "save",
     "best_model",
     "loss_func",
+    "clamp",
 }
 
 _DDP = "a DistributedDataParallel wrapper setting; the executor does not use the wrapper (it all-reduces per layer, "
@@ -333,13 +343,33 @@ INIT_ARGS: dict[str, Row] = {
     "compute_loss_func": same("loss_func"),
     "compute_metrics": same("metrics"),
     "callbacks": same("logging"),
-    "optimizers": refused({"_init": "optimizers"}, r"optimizers.*stream_enabled=True.*stream_enabled=False", "train"),
+    "optimizers": refused(
+        {"_init": "optimizers"}, r"optimizers.*stream_enabled=True.*stream_enabled=False", "train", owner="a"
+    ),
     "optimizer_cls_and_kwargs": refused(
         {"_init": "optimizer_cls_and_kwargs"}, r"optimizer_cls_and_kwargs.*stream_enabled", "init", owner="a"
     ),
     "preprocess_logits_for_metrics": same("metrics"),
 }
 
+# What the user hands Trainer besides arguments: kinds of models, data and callbacks (issue #28's rows), each with the
+# run that trains it against Trainer or the refusal it gets.
+INPUTS: dict[str, Row] = {
+    "variable_length_rows": same("dataloader"),
+    "callback_edits_weights": same("clamp"),
+    "moe_router_aux_loss": same("moe"),
+    "model_forward_wrapper": same("forward_wrapper", owner="a"),
+    "model_forward_override": same("forward_override", owner="a"),
+    "frozen_layers_bf16": same("frozen_bf16", owner="a"),
+    "iterable_dataset": same("iterable", owner="a"),
+    "sequence_classification_model": refused({"_model": "seq_cls"}, r"ForCausalLM", where="train", owner="a"),
+    "token_classification_model": refused({"_model": "tok_cls"}, r"ForCausalLM", where="train", owner="a"),
+}
+
 # Issue #28 part A's rows and the outcome that change intends (the lead adjusts at merge): model_init trains each
-# trial with a fresh plan; optimizers= / optimizer_cls_and_kwargs= and torch_compile are refused while streaming.
-CONTRACT_A = {name: row.verdict for table in (FIELDS, INIT_ARGS) for name, row in table.items() if row.owner == "a"}
+# trial with a fresh plan; optimizers= / optimizer_cls_and_kwargs= and torch_compile are refused while streaming; a
+# forward wrapper or override runs, frozen layers stay frozen, an iterable dataset trains; other heads are refused
+# naming the supported (*ForCausalLM) classes.
+CONTRACT_A = {
+    name: row.verdict for table in (FIELDS, INIT_ARGS, INPUTS) for name, row in table.items() if row.owner == "a"
+}
