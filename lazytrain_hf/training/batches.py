@@ -33,15 +33,19 @@ def row_lengths(dataset: Any) -> list[int] | None:
         return None
     try:
         import datasets
-    except ImportError:  # pragma: no cover - datasets is a dependency of transformers' Trainer tests
+    except ImportError:  # Trainer takes any torch Dataset; the datasets package is optional there
         datasets = None
     if datasets is not None and isinstance(dataset, datasets.Dataset):
         if "input_ids" not in dataset.column_names:
             return None
+        import pyarrow as pa
         import pyarrow.compute as pc
 
         column = dataset.with_format("arrow").select_columns(["input_ids"])[:]["input_ids"]
-        return [int(n) for n in pc.list_value_length(column).to_pylist()]
+        try:
+            return [int(n) for n in pc.list_value_length(column).to_pylist()]
+        except (pa.ArrowNotImplementedError, pa.ArrowInvalid, TypeError):
+            pass  # not a list column (e.g. a fixed-shape array): read the rows below
     lengths = []
     for i in range(len(dataset)):
         row = dataset[i]
