@@ -31,11 +31,9 @@ def row_lengths(dataset: Any) -> list[int] | None:
     ``len()``, rows that are not mappings with ``input_ids``)."""
     if not hasattr(dataset, "__len__") or not hasattr(dataset, "__getitem__"):
         return None
-    try:
-        import datasets
-    except ImportError:  # Trainer takes any torch Dataset; the datasets package is optional there
-        datasets = None
-    if datasets is not None and isinstance(dataset, datasets.Dataset):
+    import datasets
+
+    if isinstance(dataset, datasets.Dataset):
         if "input_ids" not in dataset.column_names:
             return None
         import pyarrow as pa
