@@ -161,6 +161,8 @@ def build_model(config: Any, dtype: torch.dtype, init_device: torch.device, seed
             new = torch.nn.Parameter(data, requires_grad=p.requires_grad)
             done[id(p)] = new
             mod._parameters[pname] = new
+    if getattr(config, "tie_word_embeddings", False):
+        model.tie_weights()  # the model built under init_empty_weights is not tied yet
     model.train()
     return model
 
@@ -481,8 +483,14 @@ def measure_layer_times(model, device, batch, passes: int) -> tuple[list[float],
     return time_streamed_layers(model, batch, device, max(2, passes))
 
 
-def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: str | None) -> dict[str, Any]:
+def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: str | None,
+                budget_bytes: int | None = None) -> dict[str, Any]:  # fmt: skip
     """Attach ``plan``, run ``warmup`` + ``steps`` real training steps, remove; median step time and peak memory.
+
+    On CUDA with ``budget_bytes`` the caching allocator is held to the budget for the run
+    (``torch.cuda.set_per_process_memory_fraction``, restored after), so a plan that needs more than it was planned
+    for fails with an out-of-memory error instead of passing; both ``max_memory_allocated`` and
+    ``max_memory_reserved`` (which also sees blocks whose free ``record_stream`` deferred) are reported.
 
     One step, as `LazyTrainer` puts it together: ``wait_resident`` -> streamed forward + chunked loss -> backward ->
     global grad norm -> clip coefficient -> `LayerwiseUpdater.run` (HybridAdamW8bit per layer + ``sync_compute``;
@@ -493,7 +501,16 @@ def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: s
     from lazytrain_hf.training.updater import LayerwiseUpdater
 
     t0 = time.perf_counter()
-    handle = attach(model, plan=plan, device=device, nvme_dir=nvme_dir)
+    enforced = device.type == "cuda" and budget_bytes is not None
+    if enforced:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget_bytes / total), device)
+    try:
+        handle = attach(model, plan=plan, device=device, nvme_dir=nvme_dir)
+    except BaseException:
+        if enforced:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
+        raise
     overlap = bool(plan.optimizer_overlap and device.type == "cuda")  # the trainer's default (`_overlap_enabled`)
     updater = LayerwiseUpdater(handle, overlap=overlap)
     opt = None
@@ -535,6 +552,7 @@ def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: s
         sync(device)
         stats = handle.memory_stats()
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else stats["device_peak_bytes"]
+        reserved = torch.cuda.max_memory_reserved(device) if device.type == "cuda" else None
         step = statistics.median(times)
         return {
             "setup_s": setup_s,
@@ -547,6 +565,8 @@ def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: s
             "skipped_nonfinite": skipped,
             "peak_device_bytes": int(peak),
             "peak_source": "torch.cuda.max_memory_allocated" if device.type == "cuda" else "executor accounted peak",
+            "peak_reserved_bytes": None if reserved is None else int(reserved),
+            "budget_enforced": enforced,
             "optimizer_overlap": overlap,
             "fetch_bytes": int(stats.get("fetch_bytes", 0)),
             "activation_cpu_bytes": int(stats.get("activation_cpu_bytes", 0)),
@@ -556,6 +576,8 @@ def train_steps(model, plan, device, batch, warmup: int, steps: int, nvme_dir: s
         handle.remove()
         del opt, updater
         free_device_memory(device)
+        if enforced:
+            torch.cuda.set_per_process_memory_fraction(1.0, device)
 
 
 def _plans_for_budget(cfg, name, profile, seq, b_t, times, budget, host_budget, max_batch, time_limit):
@@ -675,7 +697,7 @@ def section_model(
                     continue
                 batch = make_batch(cfg.vocab_size, plan.micro_batch_size, seq, device)
                 try:
-                    m = train_steps(model, plan, device, batch, args.warmup, args.steps, nvme)
+                    m = train_steps(model, plan, device, batch, args.warmup, args.steps, nvme, gpu_budget)
                 except Exception as e:  # one failing run does not lose the others
                     row.update(status="error", error=f"{type(e).__name__}: {e}", traceback=traceback.format_exc())
                     log(f"   {btext:>7} {label:<10} failed: {type(e).__name__}: {e}")
@@ -686,6 +708,10 @@ def section_model(
                 setup_s = m["setup_s"]
                 row["tflops"] = 6 * res["num_params"] * m["tokens"] / m["step_time_s"] / 1e12
                 row["within_budget"] = m["peak_device_bytes"] <= gpu_budget
+                # what the allocator really held (deferred frees included); None on the CPU
+                row["reserved_within_budget"] = (
+                    None if m["peak_reserved_bytes"] is None else m["peak_reserved_bytes"] <= gpu_budget
+                )
                 row["milp_err_pct"] = 100 * (row["predicted_step_s"] - m["step_time_s"]) / m["step_time_s"]
                 row["sim_err_pct"] = 100 * (row["simulated_step_s"] - m["step_time_s"]) / m["step_time_s"]
                 log(
@@ -825,8 +851,10 @@ def plan_space_sizes(dry_run: bool) -> dict[str, int]:
 
 
 def plan_space_train(cfg, plan, ga: int, dtype: torch.dtype, device: torch.device, steps: int, simulate: bool,
-                     tmp: str) -> dict[str, Any]:  # fmt: skip
-    """Train ``steps`` optimizer steps through `LazyTrainer(planner_plan=...)`; losses, weights, masters, timing."""
+                     tmp: str, extra_args: dict[str, Any] | None = None) -> dict[str, Any]:  # fmt: skip
+    """Train ``steps`` optimizer steps through `LazyTrainer(planner_plan=...)`; losses, weights, masters, timing.
+    ``extra_args``: more `LazyTrainingArguments` fields (``state_nvme_dir``: the literal "<nvme>" is the run's
+    spill directory)."""
     from datasets import Dataset
     from transformers import TrainerCallback
 
@@ -862,6 +890,7 @@ def plan_space_train(cfg, plan, ga: int, dtype: torch.dtype, device: torch.devic
             disable_tqdm=True,
             planner_plan=plan_path,
             activation_nvme_dir=nvme,
+            **{k: nvme if v == "<nvme>" else v for k, v in (extra_args or {}).items()},
         )
         trainer = LazyTrainer(model=model, args=args, train_dataset=ds)
         losses: list[torch.Tensor] = []
@@ -881,7 +910,8 @@ def plan_space_train(cfg, plan, ga: int, dtype: torch.dtype, device: torch.devic
 
             def on_train_end(self, args, state, control, **kwargs):
                 trainer._updater.wait_all()
-                got["masters"] = {k: m.detach().clone().cpu() for k, m in trainer._updater.named_masters()}
+                # master_values: units whose state is on NVMe have placeholders in named_masters
+                got["masters"] = {k: m.detach().clone().cpu() for k, m in trainer._updater.master_values().items()}
                 handle = getattr(trainer, "stream_handle", None)
                 if handle is not None and device.type == "cpu":
                     got["peak"] = int(handle.memory_stats()["device_peak_bytes"])
@@ -1151,7 +1181,8 @@ def summary_rows(model_results: list[dict]) -> list[dict[str, Any]]:
                     tflops=r["tflops"],
                     vs_megatrain=(r["tflops"] / base) if base else None,
                     peak_gib=r["peak_device_bytes"] / GiB,
-                    within_budget=r["within_budget"],
+                    reserved_gib=None if r.get("peak_reserved_bytes") is None else r["peak_reserved_bytes"] / GiB,
+                    within_budget=r["within_budget"] and r.get("reserved_within_budget") is not False,
                     milp_err_pct=r["milp_err_pct"],
                     sim_err_pct=r["sim_err_pct"],
                 )
@@ -1163,7 +1194,8 @@ def summary_rows(model_results: list[dict]) -> list[dict[str, Any]]:
     return rows
 
 
-COLS = ("model", "budget", "plan", "B", "step s", "tok/s", "TFLOPS", "vs mega", "peak GiB", "in bdgt", "pred%", "sim%")
+COLS = ("model", "budget", "plan", "B", "step s", "tok/s", "TFLOPS", "vs mega", "peak GiB", "rsv GiB", "in bdgt",
+        "pred%", "sim%")  # fmt: skip
 
 
 def _cells(r: dict) -> list[str]:
@@ -1172,7 +1204,8 @@ def _cells(r: dict) -> list[str]:
     vs = f"{r['vs_megatrain']:.2f}x" if r.get("vs_megatrain") else "-"
     return [
         r["model"], r["budget"], r["plan"], str(r["batch"]), f"{r['step_s']:.3f}", f"{r['tokens_per_s']:.0f}",
-        f"{r['tflops']:.3f}", vs, f"{r['peak_gib']:.3f}", "yes" if r["within_budget"] else "NO",
+        f"{r['tflops']:.3f}", vs, f"{r['peak_gib']:.3f}",
+        "-" if r.get("reserved_gib") is None else f"{r['reserved_gib']:.3f}", "yes" if r["within_budget"] else "NO",
         f"{r['milp_err_pct']:+.1f}", f"{r['sim_err_pct']:+.1f}",
     ]  # fmt: skip
 
@@ -1281,6 +1314,16 @@ def make_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--no-sanitizer", action="store_true", help="skip the CUDA stream sanitizer pass")
     p.add_argument("--plan-space-child", action="store_true", help=argparse.SUPPRESS)  # the sanitizer's child
+    p.add_argument("--skip-cuda-semantics", action="store_true", help="skip the cuda_semantics section")
+    p.add_argument(
+        "--only-cuda-semantics", action="store_true", help="run only the environment and cuda_semantics sections"
+    )
+    p.add_argument(
+        "--cuda-semantics-cases",
+        type=lambda s: [c for c in s.split(",") if c],
+        default=None,
+        help="comma-separated subset of the cuda_semantics cases (default: all; see gpu_check_cuda.CASES)",
+    )
     return p
 
 
@@ -1318,6 +1361,15 @@ def main(argv: list[str] | None = None) -> int:
         "notes": [],
     }
     env = run_section(report, "environment", section_environment, device) or {}
+    import gpu_check_cuda  # the cuda_semantics section (benchmarks/gpu_check_cuda.py)
+
+    cuda_cases = args.cuda_semantics_cases or list(gpu_check_cuda.CASES)
+    bad = [c for c in cuda_cases if c not in gpu_check_cuda.CASES]
+    if bad:
+        raise ValueError(f"--cuda-semantics-cases: unknown {bad}; choose from {', '.join(gpu_check_cuda.CASES)}.")
+    if args.only_cuda_semantics:
+        run_section(report, "cuda_semantics", gpu_check_cuda.section_cuda_semantics, device, dry, cuda_cases, budget)
+        return finish(report, args, env, [], None, budget, device)
     if args.only_plan_space:
         run_section(
             report, "plan_space", section_plan_space, device, dry, args.plan_space_cases, not args.no_sanitizer, budget
@@ -1333,6 +1385,8 @@ def main(argv: list[str] | None = None) -> int:
         run_section(
             report, "plan_space", section_plan_space, device, dry, args.plan_space_cases, not args.no_sanitizer, budget
         )
+    if not args.skip_cuda_semantics:
+        run_section(report, "cuda_semantics", gpu_check_cuda.section_cuda_semantics, device, dry, cuda_cases, budget)
     from lazytrain_hf.planner import hardware
 
     if prof_res is not None:
@@ -1386,6 +1440,8 @@ def plan_space_line(report: dict) -> str:
 
 def finish(report: dict, args, env: dict, model_results: list, prof_res, budget: Budget, device) -> int:
     """Write gpu_check.json / gpu_check.md, print the summary; 1 when a section failed."""
+    import gpu_check_cuda
+
     from lazytrain_hf.planner import hardware
 
     dry = args.dry_run
@@ -1417,6 +1473,7 @@ def finish(report: dict, args, env: dict, model_results: list, prof_res, budget:
         prof_line,
         optimizer_line(report),
         plan_space_line(report),
+        gpu_check_cuda.cuda_semantics_line(report),
         "max |pred err| "
         + ", max |sim err| ".join(
             "-" if pred.get(k) is None else f"{pred[k]:.1f}%" for k in ("max_abs_milp_err_pct", "max_abs_sim_err_pct")
@@ -1438,6 +1495,10 @@ def finish(report: dict, args, env: dict, model_results: list, prof_res, budget:
     ps = report["sections"].get("plan_space", {})
     if ps.get("status") == "ok" and not ps["result"]["ok"]:
         log("plan space: a case differs from its reference, failed or raced (details in gpu_check.json)")
+        return 1
+    cs = report["sections"].get("cuda_semantics", {})
+    if cs.get("status") == "ok" and not cs["result"]["ok"]:
+        log("cuda semantics: a case failed (details in gpu_check.json)")
         return 1
     return 1 if failed else 0
 

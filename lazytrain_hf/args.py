@@ -17,13 +17,14 @@ from typing import Any
 from transformers import TrainingArguments
 
 from .activations.nvme import check_dir as check_nvme_dir
+from .planner.baselines import BASELINES
 from .planner.plan import INPUT_TIERS
 from .units import parse_bytes
 
 STATE_NVME_LAYERS = ("auto", "all")  # state_nvme_layers
 
 PLAN_FILE = "lazytrain_plan.json"  # the plan next to a checkpoint (also written to output_dir)
-PLANNER_POLICIES = ("milp", "megatrain", "keep_all", "all_recompute", "cpu_offload_inputs", "default")
+PLANNER_POLICIES = ("milp", *BASELINES, "default")  # a baseline name plans with `baselines.make_baseline`
 SOLVERS = ("auto", "cbc", "highs")
 
 
@@ -45,7 +46,8 @@ class LazyTrainingArguments(TrainingArguments):
     > Planner (`lazytrain_hf.planner`)
 
     planner_policy (`str`, defaults to `"milp"`): `"milp"` solves the plan; a baseline name (`"megatrain"`,
-        `"keep_all"`, `"all_recompute"`, `"cpu_offload_inputs"`) or `"default"` uses that fixed plan.
+        `"megatrain_plus"`, `"slideformer"`, `"keep_all"`, `"all_recompute"`, `"cpu_offload_inputs"`) or `"default"`
+        uses that fixed plan.
     planner_hardware (`str`, defaults to `"auto"`): bundled profile name (`h800`, `h200`, `a100-80g`, `rtx3090`,
         `rtx4090`, `h100`, `cpu`), a path to a measured profile JSON, or `"auto"` (measure this machine).
     planner_gpu_budget (`int` or `str`, *optional*): device memory the plan may use, e.g. `"70GiB"`; default: the
@@ -313,6 +315,13 @@ class LazyTrainingArguments(TrainingArguments):
                 "activations instead (planner_policy='milp' chooses per layer, 'all_recompute' recomputes every "
                 "layer). Leave it off, or set stream_enabled=False."
             )
+        if self.stream_enabled and self.torch_compile:
+            raise ValueError(
+                "torch_compile=True with stream_enabled=True: the executor binds each decoder layer's weights into "
+                "device slots through module hooks between calls, which a compiled graph would bake in or break on, "
+                "so the model would not be compiled as asked. Set torch_compile=False (and leave "
+                "torch_compile_backend / torch_compile_mode unset), or stream_enabled=False to compile the plain model."
+            )
         if self.stream_enabled and self.fp16:
             raise ValueError(
                 "fp16=True with stream_enabled=True: streaming has no fp16 loss scaling (the grad scaler fails at "
@@ -345,6 +354,23 @@ class LazyTrainingArguments(TrainingArguments):
             if not ok:
                 raise ValueError(f"{name}={value!r} must be {what}; pass e.g. {name}={example!r}.")
             setattr(self, name, value)
+
+    def __getattr__(self, name: str) -> Any:
+        """Only reached for a missing attribute. TRL's trainers other than SFT (`DPOTrainer`, `RewardTrainer`,
+        `GRPOTrainer`, ...) read their own config's fields before `Trainer.__init__` could refuse these arguments
+        (Note: [LazyTrainingArguments need LazyTrainer]): such a read gets an error that says so, still an
+        `AttributeError` (``hasattr`` keeps working)."""
+        frame = sys._getframe(1)
+        if not name.startswith("_") and frame.f_globals.get("__name__", "").startswith("trl."):
+            owner = type(frame.f_locals.get("self", None)).__name__
+            raise AttributeError(
+                f"{owner} read args.{name}, which {type(self).__name__} does not have: TRL's {owner} needs its own "
+                "config and is not supported by LazyTrain's streaming path (its loss is not the causal-LM loss the "
+                "executor computes). Supported: lazytrain_hf.LazyTrainer (transformers.Trainer) and "
+                f"lazytrain_hf.LazySFTTrainer (trl.SFTTrainer). Train {owner} with its own TRL config (the model "
+                "in memory, stream_enabled=False)."
+            )
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def get_process_log_level(self) -> int:
         """Note: [LazyTrainingArguments need LazyTrainer]
@@ -382,6 +408,7 @@ class LazyTrainingArguments(TrainingArguments):
         # TrainingArguments.__post_init__ rewrites some fields (enums, derived paths); re-run it from the originals.
         values.update(overrides)
         streams = values.get("stream_enabled", _field_default(target, "stream_enabled"))
+        _refuse_unsupported_trl_config(type(args), streams)
         checkpointing = [k for k in ("activation_checkpointing", "gradient_checkpointing") if values.get(k)]
         if streams and checkpointing and not any(k in overrides for k in checkpointing):
             warnings.warn(
@@ -445,6 +472,30 @@ def _refuse_while_streaming(args: TrainingArguments) -> None:
             )
 
 
+# TRL configs whose trainer LazyTrain streams (`lazytrain_hf.LazySFTTrainer`), and their bases
+TRL_SUPPORTED_CONFIGS = ("SFTConfig", "_BaseConfig", "BaseConfig")
+
+
+def _refuse_unsupported_trl_config(config_cls: type, streams: bool) -> None:
+    """A TRL config of a trainer other than SFT (`DPOConfig`, `RewardConfig`, `GRPOConfig`, ...) is not upgraded to
+    streaming LazyTrain arguments: LazyTrain streams `Trainer` and `SFTTrainer` only (their causal-LM loss)."""
+    if not streams:
+        return
+    for c in config_cls.__mro__:
+        if (
+            c.__module__.startswith("trl.")
+            and c.__name__.endswith("Config")
+            and c.__name__ not in TRL_SUPPORTED_CONFIGS
+        ):
+            trainer = c.__name__[: -len("Config")] + "Trainer"
+            raise ValueError(
+                f"{config_cls.__name__} with stream_enabled=True: TRL's {trainer} is not supported by LazyTrain's "
+                f"streaming path (the executor computes a causal-LM loss, not {trainer}'s). Supported while "
+                "streaming: lazytrain_hf.LazyTrainer (transformers.Trainer) and lazytrain_hf.LazySFTTrainer "
+                f"(trl.SFTTrainer). Train with trl.{trainer} and a plain {c.__name__}, or pass stream_enabled=False."
+            )
+
+
 def _refuse_foreign_trainer(args: LazyTrainingArguments) -> None:
     if not args.stream_enabled:
         return
@@ -458,7 +509,13 @@ def _refuse_foreign_trainer(args: LazyTrainingArguments) -> None:
             if "lazytrain_hf.trainer.LazyTrainer" in names:
                 return
             sft = any(n.startswith("trl.") and n.endswith(".SFTTrainer") for n in names)
+            other_trl = any(n.startswith("trl.") and n.endswith("Trainer") for n in names) and not sft
             fix = "lazytrain_hf.LazySFTTrainer(...)" if sft else "lazytrain_hf.LazyTrainer(...)"
+            if other_trl:
+                fix = (
+                    "LazyTrain streams transformers.Trainer (LazyTrainer) and trl.SFTTrainer (LazySFTTrainer) only; "
+                    f"train {type(owner).__name__} with its own config"
+                )
             raise ValueError(
                 f"{type(owner).__name__}(args={type(args).__name__}(stream_enabled=True)): only LazyTrainer runs "
                 f"the LazyTrain path (plan, streaming hooks, HybridAdamW8bit); a {type(owner).__name__} would train "

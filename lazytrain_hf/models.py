@@ -41,6 +41,8 @@ class ModelSpec:
 
     model_type: str
     is_moe: Callable[[Any, int], bool]
+    # the transformers class the executor streams (its lm_head computes the loss); subclasses of it are accepted
+    causal_lm_class: str = ""
     layers: str = "model.layers"
     embed_tokens: str = "model.embed_tokens"
     norm: str = "model.norm"
@@ -56,16 +58,28 @@ class ModelSpec:
 
 
 MODEL_TABLE: dict[str, ModelSpec] = {
-    "qwen2": ModelSpec("qwen2", _never_moe),
-    "qwen2_moe": ModelSpec("qwen2_moe", _sparse_by_step, has_shared_expert=True, router_aux_loss=True),
-    "qwen3": ModelSpec("qwen3", _never_moe),
-    "qwen3_moe": ModelSpec("qwen3_moe", _sparse_by_step, router_aux_loss=True),
-    "qwen3_next": ModelSpec(
-        "qwen3_next", _sparse_by_step, has_linear_attention=True, has_shared_expert=True, router_aux_loss=True
+    "qwen2": ModelSpec("qwen2", _never_moe, "Qwen2ForCausalLM"),
+    "qwen2_moe": ModelSpec(
+        "qwen2_moe", _sparse_by_step, "Qwen2MoeForCausalLM", has_shared_expert=True, router_aux_loss=True
     ),
-    "qwen3_5_text": ModelSpec("qwen3_5_text", _never_moe, has_linear_attention=True),
+    "qwen3": ModelSpec("qwen3", _never_moe, "Qwen3ForCausalLM"),
+    "qwen3_moe": ModelSpec("qwen3_moe", _sparse_by_step, "Qwen3MoeForCausalLM", router_aux_loss=True),
+    "qwen3_next": ModelSpec(
+        "qwen3_next",
+        _sparse_by_step,
+        "Qwen3NextForCausalLM",
+        has_linear_attention=True,
+        has_shared_expert=True,
+        router_aux_loss=True,
+    ),
+    "qwen3_5_text": ModelSpec("qwen3_5_text", _never_moe, "Qwen3_5ForCausalLM", has_linear_attention=True),
     "qwen3_5_moe_text": ModelSpec(
-        "qwen3_5_moe_text", _always_moe, has_linear_attention=True, has_shared_expert=True, router_aux_loss=True
+        "qwen3_5_moe_text",
+        _always_moe,
+        "Qwen3_5MoeForCausalLM",
+        has_linear_attention=True,
+        has_shared_expert=True,
+        router_aux_loss=True,
     ),
 }
 
@@ -86,6 +100,26 @@ def get_spec(config_or_model: Any) -> ModelSpec:
         raise ValueError(
             f"model_type={model_type!r} is not supported by lazytrain_hf; supported model types are "
             f"{', '.join(supported_model_types())}.{hint}"
+        )
+    return spec
+
+
+def supported_model_classes() -> list[str]:
+    return [MODEL_TABLE[t].causal_lm_class for t in supported_model_types()]
+
+
+def check_causal_lm(model: nn.Module) -> ModelSpec:
+    """The `ModelSpec` of ``model`` (the `*ForCausalLM`, not a PEFT wrapper), refusing a supported family with
+    another head (``Qwen3ForSequenceClassification``, ``...ForTokenClassification``, a bare ``Qwen3Model``): the
+    executor streams the decoder layers of a causal LM and computes its loss from the lm_head."""
+    spec = get_spec(model)
+    names = {c.__name__ for c in type(model).__mro__}
+    if spec.causal_lm_class not in names:
+        raise ValueError(
+            f"{type(model).__name__} (model_type={spec.model_type!r}) is not supported by lazytrain_hf's streaming "
+            f"path, which trains causal language models: {', '.join(supported_model_classes())} (or subclasses). "
+            f"Load the model with AutoModelForCausalLM, or train {type(model).__name__} with stream_enabled=False "
+            "(plain Trainer)."
         )
     return spec
 

@@ -36,10 +36,18 @@ from transformers import Trainer, TrainingArguments
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from transformers.utils import logging
 
-from . import models
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import batches, checkpoints, optimizer_groups, planning, saved_weights, user_access
+from .training import (
+    batches,
+    checkpoints,
+    contract,
+    dataparallel,
+    optimizer_groups,
+    planning,
+    saved_weights,
+    user_access,
+)
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -80,11 +88,10 @@ class LazyTrainer(Trainer):
         elif not isinstance(args, LazyTrainingArguments):
             args = LazyTrainingArguments.from_training_arguments(args)
 
-        # Phase 2: fail early on models the executor cannot stream.
-        if args.stream_enabled and model is not None:
-            models.get_spec(planning.unwrap_base(model))
-
+        # Phase 2: fail early on what would not be honoured (training/contract.py).
+        contract.check_construction(type(self), LazyTrainer, args, model, kwargs.get("optimizer_cls_and_kwargs"))
         super().__init__(model=model, args=args, **kwargs)
+        contract.check_model(self.model, args.stream_enabled)  # also what model_init returned
 
         # Phase 3: LazyTrain state, filled by train().
         self.stream_handle = None
@@ -102,6 +109,7 @@ class LazyTrainer(Trainer):
         self._plan_from_file = False
         self._best_pending = False
         self._previous_optimizer: torch.optim.Optimizer | None = None
+        self._prebuilt_optimizer: torch.optim.Optimizer | None = None  # Note: [create_optimizer() before train()]
         self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
         self._legacy_group_names: list[list[str]] | None = None  # Note: [Optimizer state is matched by parameter name]
         self._longer_batch_seen = False  # Note: [The plan is made for the longest batch] (warned once for a plan file)
@@ -115,9 +123,14 @@ class LazyTrainer(Trainer):
         from .streaming import attach
 
         self._best_pending = False
+        model_init = self.model_init
+        if model_init is not None:
+            self._init_trial_model(trial)  # Note: [model_init builds each trial's model before it is planned]
         # Note: [The optimizer outlives train()]: ours from an earlier train() seeds the next one's state
         if self.optimizer is not None and self.optimizer is self._previous_optimizer:
             self.optimizer = None
+        elif self.optimizer is not None and self.optimizer is self._prebuilt_optimizer:
+            self.optimizer = None  # Note: [create_optimizer() before train()]
         elif self.optimizer is not None:
             raise ValueError(
                 "LazyTrainer(optimizers=...) with stream_enabled=True: the streamed model is updated by the "
@@ -193,8 +206,10 @@ class LazyTrainer(Trainer):
                 # group the training thread's collectives use)
                 self._dp_host_group = dist.new_group(backend="gloo")
                 self.stream_handle.host_grad_reducer = self._all_reduce_layer
+            self.model_init = None  # Trainer.train() would build another model than the one streamed
             result = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
         finally:
+            self.model_init = model_init
             with contextlib.suppress(AttributeError):
                 del self.model._is_accelerate_prepared
             self._preloaded_checkpoint = None
@@ -211,6 +226,22 @@ class LazyTrainer(Trainer):
             self._best_pending = False
             self._load_best_now()
         return result
+
+    def _init_trial_model(self, trial: Any) -> None:
+        """Note: [model_init builds each trial's model before it is planned]
+        `Trainer.train()` would call ``model_init`` after the executor was attached to the previous model (the new
+        one then computes the loss, the old one is updated): it is built here first, as Trainer builds it, and
+        Trainer builds no other. Each trial gets its own plan, host store and optimizer."""
+        from transformers.trainer_utils import enable_full_determinism, set_seed
+
+        self._hp_search_setup(trial)  # the trial's hyperparameters (a batch size the plan must know) first
+        enable_full_determinism(self.args.seed) if self.args.full_determinism else set_seed(self.args.seed)
+        self.model = self.call_model_init(trial)
+        contract.check_model(self.model, self.args.stream_enabled)
+        self.model_wrapped = self.model
+        self.optimizer, self.lr_scheduler = None, None
+        self._previous_optimizer = self._prebuilt_optimizer = None
+        self.lazy_plan, self.lazy_cost_model, self._n_params = None, None, None
 
     def _load_best_model(self) -> None:
         """Note: [The best model is loaded into the unstreamed model]
@@ -325,11 +356,10 @@ class LazyTrainer(Trainer):
         the training dataloader's RNG."""
         if self.train_dataset is None:
             raise ValueError("LazyTrainer.train() needs a train_dataset to plan and train.")
-        n = min(self.args.per_device_train_batch_size, len(self.train_dataset))
-        if n == 0:
+        # Note: [The plan is made for the longest batch] in training/batches.py (an iterable dataset: its first rows)
+        rows = batches.sample_rows(self.train_dataset, self.args.per_device_train_batch_size)
+        if not rows:
             raise ValueError("train_dataset is empty; pass a dataset with at least one row.")
-        # Note: [The plan is made for the longest batch] in training/batches.py
-        rows = [self.train_dataset[i] for i in batches.longest_rows(self.train_dataset, n)]
         dl = self.get_train_dataloader()  # only for its collator (column removal included)
         batch = dl.collate_fn(rows) if hasattr(dl, "collate_fn") else self.data_collator(rows)
         return self._prepare_inputs(batch)
@@ -377,33 +407,8 @@ class LazyTrainer(Trainer):
     def _all_reduce_layer(self, layer: int, grads: list[torch.Tensor]) -> None:
         """Average gradients over the data-parallel ranks in place, in fp32, once per optimizer step: a layer's flat
         fp32 host accumulator (``layer >= 0`` or a streamed unit, on the gloo group made for them) or the resident
-        parameters' device gradients (``layer == -1``, on the default group).
-
-        Large fp32 tensors are reduced where they are (no copy); the others (bf16 gradients, small fp32 ones such
-        as norms and adapters) go through one fp32 buffer, which is the upcast of a bf16 one, reduced in one call
-        and copied back: a bf16 result is the rank mean within one rounding of bf16 (``2^-8`` relative)."""
-        import torch.distributed as dist
-
-        world = dist.get_world_size()
-        group = self._dp_host_group if layer != -1 else None
-        in_place = [g.dtype == torch.float32 and (len(grads) == 1 or g.numel() >= 1 << 16) for g in grads]
-        low = [g for g, keep in zip(grads, in_place) if not keep]
-        for g, keep in zip(grads, in_place):
-            if keep:
-                dist.all_reduce(g, group=group)
-                g.div_(world)
-        if low:
-            flat = torch.empty(sum(g.numel() for g in low), dtype=torch.float32, device=low[0].device)
-            offset = 0
-            for g in low:
-                flat[offset : offset + g.numel()].copy_(g.reshape(-1))
-                offset += g.numel()
-            dist.all_reduce(flat, group=group)
-            flat.div_(world)
-            offset = 0
-            for g in low:
-                g.copy_(flat[offset : offset + g.numel()].view_as(g))
-                offset += g.numel()
+        parameters' device gradients (``layer == -1``, on the default group); `dataparallel.all_reduce_mean`."""
+        dataparallel.all_reduce_mean(grads, group=self._dp_host_group if layer != -1 else None)
 
     def _reduce_resident_grads(self) -> None:
         """The resident parameters' gradients averaged over the ranks, once per optimizer step (before the norm)."""
@@ -454,6 +459,7 @@ class LazyTrainer(Trainer):
             or return_outputs
             or self.label_smoother is not None
             or (self.compute_loss_func is not None)
+            or contract.custom_forward(model) is not None  # a user's forward (override or wrapper) must run
         ):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -491,6 +497,7 @@ class LazyTrainer(Trainer):
         if self.optimizer is not None:
             return self.optimizer
         model = model if model is not None else self.model
+        prebuilt, self._prebuilt_optimizer = self._prebuilt_optimizer, None
         decay = set(self.get_decay_parameter_names(model))
         if self.stream_handle is not None:
             self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
@@ -514,6 +521,8 @@ class LazyTrainer(Trainer):
             block_size=self.args.optim_block_size,
             min_8bit_size=self.args.optim_min_8bit_size,
         )
+        # Note: [create_optimizer() before train()]
+        self._prebuilt_optimizer = contract.prebuilt_optimizer(opt, prebuilt, self.args, self.stream_handle)
         if self.stream_handle is not None:
             self._updater.bind(opt)
             previous, self._previous_optimizer = self._previous_optimizer, None

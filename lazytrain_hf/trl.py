@@ -51,6 +51,7 @@ from transformers.utils import logging  # noqa: E402
 from . import models  # noqa: E402
 from .args import LazyTrainingArguments  # noqa: E402
 from .trainer import LazyTrainer  # noqa: E402
+from .training.contract import custom_forward  # noqa: E402
 from .training.planning import unwrap_base  # noqa: E402
 
 if Version(trl.__version__) < Version(TRL_MIN_VERSION):
@@ -239,7 +240,7 @@ class LazySFTTrainer(LazyTrainer, SFTTrainer):
 
     # ------------------------------------------------------------------ loss
     def compute_loss(self, model, inputs, return_outputs: bool = False, num_items_in_batch=None):
-        if not self._uses_chunked_loss(return_outputs):
+        if not self._uses_chunked_loss(model, return_outputs):
             # streaming off, or what the chunked loss cannot do: SFTTrainer's own loss and logs
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
@@ -272,13 +273,14 @@ class LazySFTTrainer(LazyTrainer, SFTTrainer):
                 weight /= self.accelerator.num_processes
         return weight
 
-    def _uses_chunked_loss(self, return_outputs: bool) -> bool:
+    def _uses_chunked_loss(self, model, return_outputs: bool) -> bool:
         """Whether `LazyTrainer.compute_loss` takes the chunked path (the same conditions)."""
         return not (
             self.stream_handle is None
             or return_outputs
             or self.label_smoother is not None
             or self.compute_loss_func is not None
+            or custom_forward(model) is not None
         )
 
     def _log_token_statistics(self, mode: str, inputs: dict[str, Any], hidden: torch.Tensor, head: Any) -> None:

@@ -17,6 +17,10 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 # on worker threads after random delays; lazytrain_hf/streams.py), so a missing wait fails a test instead of passing
 # on synchronous CPU copies. `LAZYTRAIN_SIMULATE_ASYNC=0 pytest ...` runs the suite on the synchronous engine instead;
 # tests marked `sync_engine` (exact in-flight accounting of the synchronous path) always do.
+# Profiles of the simulation (environment, passed through): `LAZYTRAIN_SIMULATE_AUTOGRAD_THREAD=1` runs every backward on
+# a thread of its own, as CUDA's autograd device thread (Note: [Backward runs on another thread] in
+# lazytrain_hf/threads.py); `LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE` / `_STALL_WORKERS` set how often, and which,
+# background workers stall for longer than a forward (Note: [Every background worker stalls ...] in streams.py).
 _SIMULATE = os.environ.get("LAZYTRAIN_SIMULATE_ASYNC", "1")
 
 
@@ -104,3 +108,14 @@ def evaluate_cache(tmp_path_factory):
         mp.setattr(cfg, name, home / sub)
     yield home
     mp.undo()
+
+
+@pytest.fixture(autouse=True)
+def _host_memory_rules():
+    """Every test ends by raising the host-memory violations the registry recorded (a registered buffer freed while
+    still registered: lazytrain_hf/pinned.py) and starts the next one clean."""
+    from lazytrain_hf import pinned
+
+    pinned.REGISTRY.check(reset=True)
+    yield
+    pinned.REGISTRY.check(reset=True)

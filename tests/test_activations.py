@@ -692,8 +692,10 @@ def test_stale_directories_of_dead_processes_are_removed(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------------------- errors
-def test_constructor_errors(tmp_path):
+def test_constructor_errors(tmp_path, monkeypatch):
     plan = Plan.default(2)
+    # pinned memory on the CPU only exists under the simulation (lazytrain_hf.pinned); outside it, it is an error
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC", "0")
     with pytest.raises(TypeError, match="plan must be a lazytrain_hf Plan"):
         ActivationEngine([], "cpu")
     with pytest.raises(ValueError, match="device='meta' is not supported"):

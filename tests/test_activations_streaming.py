@@ -50,7 +50,7 @@ def test_executor_runs_every_policy_bit_exact(tmp_path, model_type, name):
     handle = streaming.attach(model, plan, "cpu", nvme_dir=str(tmp_path))
     try:
         engine = handle.activations
-        assert isinstance(engine, ActivationEngine) and engine.param_packer is handle
+        assert isinstance(engine, ActivationEngine) and engine.param_packer == handle  # a weak proxy of it
         for _ in range(2):  # two steps: pool reuse, per-step files
             torch.manual_seed(5)
             loss = model(**batch()).loss

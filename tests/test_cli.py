@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from lazytrain_hf.cli import main
+from lazytrain_hf.planner.baselines import BASELINES
 from lazytrain_hf.planner.hardware import measure
 from lazytrain_hf.planner.plan import PREDICTION_KEYS
 
@@ -41,10 +42,10 @@ def test_plan_json_keys(capsys, tmp_path):
     data = json.loads(out)
     assert set(data) == {"plan", "predicted", "baselines", "max_batch_size", "solver"}
     assert set(data["predicted"]) == set(PREDICTION_KEYS)
-    assert set(data["baselines"]) == {"megatrain", "all_recompute", "keep_all", "cpu_offload_inputs"}
+    assert set(data["baselines"]) == set(BASELINES)
     for v in data["baselines"].values():
         assert v is None or set(v) == set(PREDICTION_KEYS)
-    assert set(data["max_batch_size"]) == {"milp", "megatrain", "all_recompute", "keep_all", "cpu_offload_inputs"}
+    assert set(data["max_batch_size"]) == {"milp", *BASELINES}
     assert data["max_batch_size"]["milp"] >= max(data["max_batch_size"].values())
     assert set(data["solver"]) == {"status", "seconds", "gap"}
     assert len(data["plan"]["layers"]) == 36

@@ -3,7 +3,8 @@ measured hardware profile, and the profile plans with `lazytrain plan --hardware
 
 The plan-space section (every case against its keep-all, no-overlap reference, cases on the simulated asynchronous
 engine) has its own runs: a fast subset of two cases, and every case with the sanitizer's child process (slow). The
-full dry run (all sections, ~60-90 s here) is marked slow."""
+full dry run (all sections, ~60-90 s here) is marked slow. So is the cuda_semantics section's own dry run (every case,
+~70 s here); two of its cases run in the default profile."""
 
 from __future__ import annotations
 
@@ -30,7 +31,7 @@ def dry_run(tmp_path_factory):
     env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
     t0 = time.perf_counter()
     proc = subprocess.run(
-        [sys.executable, SCRIPT, "--dry-run", "--skip-plan-space", "--out", str(out)],
+        [sys.executable, SCRIPT, "--dry-run", "--skip-plan-space", "--skip-cuda-semantics", "--out", str(out)],
         env=env,
         cwd=ROOT,
         capture_output=True,
@@ -203,6 +204,68 @@ def test_plan_space_every_case_and_sanitizer_child(tmp_path):
 def test_plan_space_unknown_case_is_refused(tmp_path):
     proc = subprocess.run(
         [sys.executable, SCRIPT, "--dry-run", "--only-plan-space", "--plan-space-cases", "default,fastest",
+         "--out", str(tmp_path)],
+        env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True, timeout=120,
+    )  # fmt: skip
+    assert proc.returncode != 0 and "fastest" in proc.stderr and "choose from" in proc.stderr
+
+
+# ------------------------------------------------------------------------------------------------- cuda semantics
+def run_cuda_semantics(out, cases: list[str] | None):
+    env = dict(os.environ, PYTHONPATH=ROOT, PYTHONUNBUFFERED="1", HF_HUB_OFFLINE="1")
+    cmd = [sys.executable, SCRIPT, "--dry-run", "--only-cuda-semantics", "--out", str(out)]
+    cmd += ["--cuda-semantics-cases", ",".join(cases)] if cases else []
+    proc = subprocess.run(cmd, env=env, cwd=ROOT, capture_output=True, text=True, timeout=900)
+    report = json.loads((out / "gpu_check.json").read_text()) if (out / "gpu_check.json").exists() else None
+    return proc, report
+
+
+def check_cuda_semantics(proc, report, cases: list[str]) -> dict:
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    sec = report["sections"]["cuda_semantics"]
+    assert sec["status"] == "ok", sec.get("traceback")
+    res = sec["result"]
+    assert sorted(res["cases"]) == sorted(cases)
+    for name, row in res["cases"].items():
+        assert row["status"] == "ok" and row["ok"] is True, (name, row.get("error"), row.get("traceback"))
+        assert row["seconds"] >= 0
+    assert res["ok"] and any(line.startswith("cuda semantics: ok") for line in proc.stdout.splitlines())
+    return res["cases"]
+
+
+def test_cuda_semantics_tied_and_generate(tmp_path):
+    """The tied + stream_embeddings gradients (against the unstreamed model) and generate() with stream_embeddings,
+    on the simulated asynchronous engine: ~15 s."""
+    cases = ["tied_stream_embeddings", "generate_stream_embeddings"]
+    rows = check_cuda_semantics(*run_cuda_semantics(tmp_path, cases), cases)
+    tied = rows["tied_stream_embeddings"]
+    assert tied["max_grad_rel_l2"] <= 1e-5 and tied["stray_grad_norm_per_micro_batch"] == [None, None]
+    assert tied["tied_grad_norm"] == pytest.approx(tied["tied_grad_norm_unstreamed"], rel=1e-5)
+    assert rows["generate_stream_embeddings"]["models"]["tied"]["inputs_on"] == "cpu"
+
+
+@pytest.mark.slow
+def test_cuda_semantics_every_case(tmp_path):
+    sys.path.insert(0, os.path.dirname(SCRIPT))
+    from gpu_check_cuda import CASES
+
+    rows = check_cuda_semantics(*run_cuda_semantics(tmp_path, None), list(CASES))
+    assert rows["state_nvme_grad_accum"]["vs_reference"]["bit_exact"]
+    mem = rows["host_memory"]
+    assert mem["handle_freed_without_gc"] and mem["host_store_bytes"] > 0
+    assert set(mem["points"]) == {"before_attach", "after_attach", "after_step", "after_remove_no_gc", "after_gc"}
+    syncs = rows["host_syncs_every_thread"]
+    # the dry run runs backward on the simulated autograd thread and stalls every NVMe read: its waits are counted
+    assert syncs["backward_hook_threads"] == ["lazytrain-sim-autograd"]
+    assert syncs["host_syncs_by_thread"].get("lazytrain-sim-autograd", 0) > 0, syncs
+    lag = rows["gpu_lag"]["cases"]
+    assert sorted(lag) == sorted(__import__("gpu_check").PLAN_SPACE_CASES)
+    assert all(r["ok"] and r["bit_exact"] for r in lag.values()), lag
+
+
+def test_cuda_semantics_unknown_case_is_refused(tmp_path):
+    proc = subprocess.run(
+        [sys.executable, SCRIPT, "--dry-run", "--only-cuda-semantics", "--cuda-semantics-cases", "tied,fastest",
          "--out", str(tmp_path)],
         env=dict(os.environ, PYTHONPATH=ROOT), cwd=ROOT, capture_output=True, text=True, timeout=120,
     )  # fmt: skip

@@ -4,11 +4,13 @@ simulated asynchronous CPU engine, are bit-exact to the keep-all, no-overlap run
 The input space (hypothesis): per layer policy and input tier (nvme included), residency, ``fetch_fwd_ahead`` /
 ``fetch_bwd_ahead`` / ``reload_ahead`` in 0..3; ``stream_embeddings``, ``state_nvme`` (any streamed, non-resident
 units' training state on NVMe), ``checkpoint_every`` (1, or K with every
-layer recomputed), ``loss_chunk_tokens``, ``optimizer_overlap``, ``gradient_accumulation_steps`` 1..3, the compute
-dtype, over six model families. The oracle: the ``keep_all`` plan (every activation kept, every layer streamed,
+layer recomputed), ``loss_chunk_tokens``, ``optimizer_overlap``, ``gradient_accumulation_steps`` 1..3, the model
+dtype and the compute dtype (an fp32 model computed with a bf16 copy, ``bf16=True``), what is frozen (nothing, some
+decoder layers and perhaps the embedding, or the base of a PEFT LoRA model), over six model families. The oracle: the ``keep_all`` plan (every activation kept, every layer streamed,
 prefetch 1, no overlap) with the same settings that change a summation order (``stream_embeddings``,
 ``loss_chunk_tokens``) and the same data (gradient accumulation, dtype), trained on the synchronous CPU engine.
-Compared: every micro-batch loss and every final weight and fp32 master, with ``torch.equal``.
+Compared: every micro-batch loss and every final weight and fp32 master, with ``torch.equal``; and every frozen
+parameter against its value before training, with ``torch.equal`` (Note: [A frozen parameter keeps its own values]).
 
 The regression tests below each failed before their fix (see the closing note of the change that added them).
 """
@@ -22,7 +24,7 @@ import tempfile
 import pytest
 import torch
 from conftest import tiny_model
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, event, given, settings
 from hypothesis import strategies as st
 from trainer_fixtures import token_dataset
 from transformers import TrainerCallback
@@ -43,14 +45,55 @@ def write_plan(plan: Plan, directory: str) -> str:
     return path
 
 
-def train_plan(model_type: str, plan: Plan, ga: int, dtype: torch.dtype, simulate: bool, callbacks=(), **extra):
-    """Train ``STEPS`` optimizer steps under ``plan``; returns (micro-batch losses, final weights, fp32 masters)."""
+NOTHING_FROZEN = ("none",)
+
+
+def build_model(model_type: str, dtype: torch.dtype, frozen: tuple = NOTHING_FROZEN) -> torch.nn.Module:
+    """The tiny model in ``dtype`` with ``frozen``: ``("none",)``, ``("layers", indices, embedding_too)`` (those
+    decoder layers, and the input embedding, ``requires_grad_(False)``) or ``("peft",)`` (LoRA on q/v: the base is
+    frozen)."""
+    model = tiny_model(model_type, seed=1).to(dtype)
+    if frozen[0] == "layers":
+        _, indices, embedding = frozen
+        for i in indices:
+            models.decoder_layers(model)[i].requires_grad_(False)
+        if embedding:
+            models.embed_tokens(model).requires_grad_(False)
+    elif frozen[0] == "peft":
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(5)
+        cfg = LoraConfig(task_type="CAUSAL_LM", r=4, target_modules=["q_proj", "v_proj"], lora_dropout=0.0)
+        model = get_peft_model(model, cfg)
+        for p in model.parameters():
+            if p.requires_grad:  # LoRA's B starts at zero: a non-zero start makes the adapters matter from step 1
+                torch.nn.init.normal_(p, std=0.02)
+    return model
+
+
+def train_plan(
+    model_type: str,
+    plan: Plan,
+    ga: int,
+    dtype: torch.dtype,
+    simulate: bool,
+    callbacks=(),
+    frozen: tuple = NOTHING_FROZEN,
+    bf16_compute: bool = False,
+    **extra,
+):
+    """Train ``STEPS`` optimizer steps under ``plan``; returns (micro-batch losses, final weights, fp32 masters).
+
+    ``frozen`` (`build_model`) and ``bf16_compute`` (``bf16=True``: an fp32 model computed with a bf16 copy) choose
+    what is frozen and the compute dtype; every frozen parameter must be bit-identical to its value before training
+    (Note: [A frozen parameter keeps its own values] in streaming/store.py)."""
     prev = os.environ.get(SIMULATE_ENV)
     os.environ[SIMULATE_ENV] = "1" if simulate else "0"
     try:
         with tempfile.TemporaryDirectory() as tmp:
             os.makedirs(os.path.join(tmp, "nvme"))
-            model = tiny_model(model_type, seed=1).to(dtype)
+            model = build_model(model_type, dtype, frozen)
+            before = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
             args = LazyTrainingArguments(
                 output_dir=os.path.join(tmp, "out"),
                 per_device_train_batch_size=plan.micro_batch_size,
@@ -67,6 +110,7 @@ def train_plan(model_type: str, plan: Plan, ga: int, dtype: torch.dtype, simulat
                 planner_plan=write_plan(plan, tmp),
                 activation_nvme_dir=os.path.join(tmp, "nvme"),
                 state_nvme_dir=os.path.join(tmp, "nvme"),  # for the plan's state_nvme units
+                bf16=bf16_compute,
                 **extra,
             )
             n = STEPS * ga * plan.micro_batch_size
@@ -91,6 +135,9 @@ def train_plan(model_type: str, plan: Plan, ga: int, dtype: torch.dtype, simulat
 
             trainer.add_callback(MasterCapture())
             trainer.train()
+            after = dict(model.named_parameters())
+            changed = [n for n, v in before.items() if not torch.equal(after[n].detach(), v)]
+            assert not changed, f"{len(changed)} of {len(before)} frozen parameters changed, first {changed[:5]}"
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             return losses, weights, masters
     finally:
@@ -113,9 +160,18 @@ def keep_all_plan(kinds: list[str], stream_embeddings: bool, loss_chunk_tokens: 
 
 
 @functools.cache
-def reference(model_type: str, stream_embeddings: bool, loss_chunk_tokens: int, ga: int, dtype: torch.dtype):
+def reference(
+    model_type: str,
+    stream_embeddings: bool,
+    loss_chunk_tokens: int,
+    ga: int,
+    dtype: torch.dtype,
+    frozen: tuple = NOTHING_FROZEN,
+    bf16_compute: bool = False,
+):
     kinds = models.layer_kinds(tiny_model(model_type).config)
-    return train_plan(model_type, keep_all_plan(kinds, stream_embeddings, loss_chunk_tokens), ga, dtype, False)
+    plan = keep_all_plan(kinds, stream_embeddings, loss_chunk_tokens)
+    return train_plan(model_type, plan, ga, dtype, False, frozen=frozen, bf16_compute=bf16_compute)
 
 
 def assert_bit_exact(got, ref, what: str) -> None:
@@ -175,22 +231,37 @@ def plans(draw, kinds: list[str]) -> Plan:
 
 
 @st.composite
+def frozen_parts(draw, num_layers: int) -> tuple:
+    """What is frozen (`build_model`): nothing, some decoder layers (and perhaps the embedding), or a PEFT base."""
+    kind = draw(st.sampled_from(["none", "layers", "peft"]))
+    if kind == "layers":
+        indices = draw(st.lists(st.integers(0, num_layers - 1), min_size=1, max_size=num_layers - 1, unique=True))
+        return ("layers", tuple(sorted(indices)), draw(st.booleans()))
+    return (kind,)
+
+
+@st.composite
 def cases(draw):
     model_type = draw(st.sampled_from(FAMILIES))
     kinds = models.layer_kinds(tiny_model(model_type).config)
+    dtype = draw(st.sampled_from([torch.float32, torch.bfloat16]))
     return (
         model_type,
         draw(plans(kinds)),
         draw(st.integers(1, 3)),
-        draw(st.sampled_from([torch.float32, torch.bfloat16])),
+        dtype,
+        draw(frozen_parts(len(kinds))),
+        dtype == torch.float32 and draw(st.booleans()),  # bf16 compute of the fp32 model
     )
 
 
 def check_case(case) -> None:
-    model_type, plan, ga, dtype = case
-    ref = reference(model_type, plan.stream_embeddings, plan.loss_chunk_tokens, ga, dtype)
-    got = train_plan(model_type, plan, ga, dtype, simulate=True)
-    assert_bit_exact(got, ref, f"{model_type} ga={ga} {dtype} plan:\n{plan.table()}")
+    model_type, plan, ga, dtype, frozen, bf16_compute = case
+    event(f"frozen={frozen[0]}, compute={'bf16 copy' if bf16_compute else dtype}")  # --hypothesis-show-statistics
+    ref = reference(model_type, plan.stream_embeddings, plan.loss_chunk_tokens, ga, dtype, frozen, bf16_compute)
+    got = train_plan(model_type, plan, ga, dtype, simulate=True, frozen=frozen, bf16_compute=bf16_compute)
+    what = f"{model_type} ga={ga} {dtype} frozen={frozen} bf16_compute={bf16_compute} plan:\n{plan.table()}"
+    assert_bit_exact(got, ref, what)
 
 
 _SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow], database=None)

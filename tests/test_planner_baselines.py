@@ -163,9 +163,12 @@ def test_megatrain_predictions_keys():
 
 
 # ---------------------------------------------------------------------------------------------------------- executor
-def test_megatrain_plan_runs_on_our_executor():
-    """The plan made from a tiny qwen3 config trains two steps on our executor (block recomputation, K=4 over 6
-    layers): losses equal plain autograd bit for bit, gradients accumulate to twice the reference's."""
+@pytest.mark.parametrize("name", ["megatrain", "megatrain_plus", "slideformer"])
+def test_baseline_plan_runs_on_our_executor(name):
+    """The plan made from a tiny qwen3 config trains two steps on our executor (megatrain: block recomputation, K=4
+    over 6 layers; megatrain_plus: every layer recomputed from its input on the device; slideformer: every input in
+    pinned host memory but the last layer's): losses equal plain autograd bit for bit, gradients accumulate to twice
+    the reference's."""
     n, B, T = 6, 2, 16
     ids = torch.randint(0, 128, (B, T), generator=torch.Generator().manual_seed(3))
     ref = tiny_model("qwen3", num_hidden_layers=n).train()
@@ -176,9 +179,13 @@ def test_megatrain_plan_runs_on_our_executor():
     model = tiny_model("qwen3", num_hidden_layers=n).train()
     cm = CostModel.from_config(model.config, "cpu", seq_len=T, micro_batch_size=B, dtype_bytes=4,
                                attn_implementation=model.config._attn_implementation)  # fmt: skip
-    plan = baselines.make_baseline("megatrain", cm)
-    assert plan.checkpoint_every == 4 and plan.num_layers == len(models.layer_kinds(model))
-    assert plan.predicted["tflops_6n"] > 0
+    plan = baselines.make_baseline(name, cm)
+    assert plan.num_layers == len(models.layer_kinds(model))
+    if name == "megatrain":
+        assert plan.checkpoint_every == 4 and plan.predicted["tflops_6n"] > 0
+    elif name == "slideformer":
+        assert [lp.tier for lp in plan.layers] == ["cpu"] * (n - 1) + ["gpu"]
+    assert plan.policies == ["recompute"] * n
     handle = attach(model, plan=plan, device="cpu")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -207,3 +214,35 @@ def test_milp_never_slower_than_megatrain_where_both_fit(name, hw, batch):
     print(f"{name} {hw} B={batch}: milp / megatrain TFLOPS {ratio:.3f}x")
     assert plan.predicted["step_time_s"] <= mt.predicted["step_time_s"]
     assert plan.predicted["tflops"] >= mt.predicted["tflops"]
+
+
+# ---------------------------------------------------------------------------------------------------------- peers
+def test_megatrain_plus_and_slideformer_as_their_code_does_it():
+    """megatrain_plus (store_all_activations): every layer's input kept on the device, 2 weight crossings per layer
+    (forward, backward with its forward re-run), prefetch depth 1 both ways, the optimizer after backward with nothing
+    overlapped. slideformer: every layer's input in pinned host memory but the last layer's, reloaded one layer ahead,
+    prefetch depth 1 both ways, the optimizer overlapped. Both are accepted as planner_policy."""
+    from lazytrain_hf.args import PLANNER_POLICIES
+
+    cm = qwen7b(8)
+    L, w = cm.num_layers, sum(lc.weight_bytes for lc in cm.layers)
+    x = cm.layers[0].input_bytes
+    resident = cm.embed_bytes + cm.head_bytes  # uploaded after their update, once per step
+    plus = baselines.make_baseline("megatrain_plus", cm)
+    assert [(lp.policy, lp.tier) for lp in plus.layers] == [("recompute", "gpu")] * L
+    assert plus.checkpoint_every == 1 and plus.optimizer_overlap is False
+    assert all(lp.fetch_fwd_ahead == lp.fetch_bwd_ahead == 1 and not lp.resident for lp in plus.layers)
+    # the last layer stays bound from its forward to its backward (Plan.keeps_bound_after_forward): one fetch less
+    assert plus.predicted["bytes_per_step"]["h2d"] == 2 * w - cm.layers[-1].weight_bytes + resident
+    assert plus.predicted["pinned_host_bytes"] == 0
+    ar = baselines.make_baseline("all_recompute", cm)
+    assert plus.predicted["step_time_s"] > ar.predicted["step_time_s"]  # only the optimizer overlap differs
+    assert plus.predicted["peak_gpu_bytes"] == ar.predicted["peak_gpu_bytes"]
+
+    sf = baselines.make_baseline("slideformer", cm)
+    assert [lp.tier for lp in sf.layers] == ["cpu"] * (L - 1) + ["gpu"]
+    assert all(lp.reload_ahead == 1 and lp.policy == "recompute" for lp in sf.layers)
+    assert sf.optimizer_overlap is True and sf.checkpoint_every == 1
+    assert sf.predicted["pinned_host_bytes"] == (L - 1) * x
+    assert sf.predicted["bytes_per_step"]["d2h"] - ar.predicted["bytes_per_step"]["d2h"] == (L - 1) * x
+    assert {"megatrain_plus", "slideformer"} <= set(PLANNER_POLICIES)

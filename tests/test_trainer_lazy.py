@@ -37,7 +37,14 @@ def reference(tmp_path_factory):
 
 @pytest.mark.parametrize(
     "policy,budget",
-    [("milp", TIGHT_BUDGET), ("all_recompute", None), ("cpu_offload_inputs", None), ("megatrain", None)],
+    [
+        ("milp", TIGHT_BUDGET),
+        ("all_recompute", None),
+        ("cpu_offload_inputs", None),
+        ("megatrain", None),
+        ("megatrain_plus", None),
+        ("slideformer", None),
+    ],
 )
 def test_streamed_training_matches_unstreamed(tmp_path, reference, policy, budget):
     ref_losses, ref_w = reference

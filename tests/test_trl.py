@@ -9,7 +9,6 @@ and `num_tokens` are counts: equal (an arg-max tie flipped by the last fp32 digi
 from __future__ import annotations
 
 import dataclasses
-import functools
 import random
 import re
 import subprocess
@@ -79,16 +78,12 @@ def _common(out) -> dict:
 
 
 def _spy_fused_head(trainer) -> list[bool]:
-    """Record, per model call, whether TRL's fused LM head was asked for (`fused_lm_head=True`)."""
+    """Record, per model call, whether TRL's fused LM head was asked for (`fused_lm_head=True`). A forward pre-hook,
+    not a wrapper of `forward`: LazyTrainer honours a user's forward by computing the loss through it."""
     calls: list[bool] = []
-    forward = trainer.model.forward
-
-    @functools.wraps(forward)
-    def spy(*args, fused_lm_head=False, **kwargs):
-        calls.append(fused_lm_head)
-        return forward(*args, fused_lm_head=fused_lm_head, **kwargs)
-
-    trainer.model.forward = spy
+    trainer.model.register_forward_pre_hook(
+        lambda module, args, kwargs: calls.append(bool(kwargs.get("fused_lm_head", False))), with_kwargs=True
+    )
     return calls
 
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 from typing import Any, NamedTuple
 
-CONTRACT_A_MERGED = False
+CONTRACT_A_MERGED = True
 
 
 class Row(NamedTuple):

@@ -157,8 +157,8 @@ class ActivationEngine:
             if device.index is None:
                 device = torch.device("cuda", torch.cuda.current_device())
         if pin_memory is None:
-            pin_memory = device.type == "cuda"
-        if pin_memory and not torch.cuda.is_available():
+            pin_memory = streams.pin_host_memory(device)
+        if pin_memory and not (torch.cuda.is_available() or streams.simulate_async()):
             raise ValueError("pin_memory=True needs CUDA (page-locked memory); pass pin_memory=None or False on CPU.")
         if param_packer is not None and not isinstance(param_packer, ParamPacker):
             raise TypeError(
@@ -220,6 +220,7 @@ class ActivationEngine:
         ev = self._tiers.offload_events.pop(layer, None)
         if ev is not None and self._tiers.lanes is not None:
             self._tiers.lanes.compute_wait(ev)
+            self._tiers.bound_host_lead(layer, ev)  # Note: [The host leads the device by two stages] (tiers.py)
 
     def set_trace(self, trace: Any) -> None:
         """Record every copy and disk transfer in the executor's `Trace` (lazytrain_hf.streaming.trace)."""

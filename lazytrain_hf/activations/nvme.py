@@ -444,7 +444,11 @@ class NvmeTier(Tier):
         self._writes: deque[tuple[Future, int]] = deque()  # writes in flight: (future, staging bytes)
         self._reads: deque[Future] = deque()  # reads issued
         self._write_failure: tuple[OSError, int, int] | None = None  # (error, bytes attempted, layer)
-        self._io_delay = streams.SimDelay("nvme") if ctx.is_async and ctx.device.type == "cpu" else None
+        # the simulated spill writer and reader stall independently (Note: [Every background worker stalls for longer
+        # than a forward] in lazytrain_hf/streams.py)
+        sim = ctx.is_async and ctx.device.type == "cpu"
+        self._io_delay = streams.SimDelay("nvme-read") if sim else None
+        self._write_delay = streams.SimDelay("nvme-write") if sim else None
 
     # ------------------------------------------------------------------ store: stage, then write
     def store(self, layer: int, t: torch.Tensor, layout: Layout) -> Entry:
@@ -474,7 +478,7 @@ class NvmeTier(Tier):
         event = entry.copy_event
         layer = entry.layer
         failure = self._record_write_failure
-        delay = self._io_delay
+        delay = self._write_delay
 
         def write() -> None:
             try:

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from .. import streams
+from .. import pinned, streams
 from ..units import format_bytes
 
 # Note: [Pool buffers are keyed by rounded size]
@@ -31,9 +31,11 @@ class HostBufferPool:
     """
 
     def __init__(self, pin_memory: bool = False, poison: bool = False) -> None:
+        # pinned buffers are registered at their exact (bucket) size, not taken from the caching host allocator
         self.pin_memory = pin_memory
         self.poison = poison  # simulated asynchronous engine: buffers are poisoned when handed back
         self._free: dict[int, list[tuple[torch.Tensor, Any]]] = {}
+        self._blocks: dict[int, pinned.PinnedBlock] = {}  # address -> the registered block of a pinned buffer
         self._lock = threading.Lock()
         self.allocated_bytes = 0  # bytes of all buffers this pool owns (free + handed out)
         self.num_allocations = 0  # buffers ever allocated: stops growing once the pool reaches its fixed point
@@ -55,8 +57,15 @@ class HostBufferPool:
             if event is not None:
                 event.synchronize()
             return buf
-        buf = torch.empty(size, dtype=torch.uint8, pin_memory=self.pin_memory)
+        if self.pin_memory:
+            # exact-size and registered: Note: [Pinned blocks are registered, not cached] in streaming/store.py
+            block = pinned.PinnedBlock(size, True, "a pooled activation buffer")
+            buf = block.tensor
+        else:
+            block, buf = None, torch.empty(size, dtype=torch.uint8)
         with self._lock:
+            if block is not None:
+                self._blocks[buf.data_ptr()] = block
             self.allocated_bytes += size
             self.num_allocations += 1
         return buf
@@ -77,12 +86,17 @@ class HostBufferPool:
         """Free every cached buffer (buffers handed out stay valid and are simply dropped when put back later)."""
         with self._lock:
             freed = sum(b.numel() for v in self._free.values() for b, _ in v)
+            blocks = []
             for v in self._free.values():
-                for _, ev in v:
+                for b, ev in v:
                     if ev is not None:
                         ev.synchronize()
+                    if b.data_ptr() in self._blocks:
+                        blocks.append(self._blocks.pop(b.data_ptr()))
             self._free.clear()
             self.allocated_bytes -= freed
+        for block in blocks:
+            block.release()  # unregistered, then freed
 
     def __repr__(self) -> str:
         return (

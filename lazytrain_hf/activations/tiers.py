@@ -15,17 +15,32 @@ owns no policy: which tier a tensor goes to is the router's decision, from the p
 
 from __future__ import annotations
 
-import threading
+import os
 from collections import deque
 from concurrent.futures import Future
 from typing import Any
 
 import torch
 
-from .. import streams
+from .. import streams, threads
 from .accounting import Accountant
 from .layout import Layout
 from .pool import HostBufferPool
+
+HOST_LEAD_ENV = "LAZYTRAIN_SIMULATE_HOST_LEAD"
+
+
+def simulated_host_lead() -> int:
+    """``LAZYTRAIN_SIMULATE_HOST_LEAD``: how many layers the simulated host runs ahead of the device (default 0; Note:
+    [The host leads the device by two stages])."""
+    raw = os.environ.get(HOST_LEAD_ENV, "0")
+    try:
+        value = int(raw)
+    except ValueError as e:
+        raise ValueError(f"{HOST_LEAD_ENV}={raw!r} must be a number of layers (e.g. 8).") from e
+    if value < 0:
+        raise ValueError(f"{HOST_LEAD_ENV}={raw!r} must be >= 0.")
+    return value
 
 
 def round_up(n: int, align: int) -> int:
@@ -104,7 +119,13 @@ class TierContext:
         self.acct = Accountant()
         # the simulated asynchronous engine poisons buffers handed back (Note: [Simulated copies poison ...])
         self.pool = HostBufferPool(pin_memory=pin_memory, poison=self.is_async and device.type == "cpu")
-        self.inflight: deque[tuple[Any, torch.Tensor, int | None]] = deque()  # (event, source, acct key)
+        # (event, source, acct key, layer) of offload copies whose source still counts as device bytes
+        self.inflight: deque[tuple[Any, torch.Tensor, int | None, int]] = deque()
+        # Note: [The host leads the device by two stages]: the simulated lead (0: none), the latest layer that
+        # offloaded (the host's position) and the latest one whose offload copies the host waited for
+        self.host_lead = simulated_host_lead() if self.is_async and device.type == "cpu" else 0
+        self.host_stage = -1
+        self.caught_up = -1
         self.layer_bytes: dict[int, dict[str, int]] = {}
         self.trace: Any = None  # the executor's `Trace` (lazytrain_hf.streaming.trace), when attached to one
         self.offload_events: dict[int, Any] = {}  # layer -> its last D2H offload copy (one lane: FIFO)
@@ -114,7 +135,9 @@ class TierContext:
             self.trace.transfer(lane, nbytes, dtype, layer, what)
 
     def host_sync(self, reason: str) -> None:
-        if self.trace is not None and threading.current_thread() is threading.main_thread():
+        # counted on the training thread and on the autograd thread that runs its backward, not on background
+        # workers (Note: [Backward runs on another thread] in lazytrain_hf/threads.py)
+        if self.trace is not None and threads.on_step_path():
             self.trace.host_sync(reason)
 
     def count_layer(self, layer: int, tier: str, n: int) -> None:
@@ -122,10 +145,36 @@ class TierContext:
         d[tier] += n
 
     def poll_inflight(self) -> None:
-        """Offload sources whose D2H copy completed stop counting as device bytes."""
-        while self.inflight and self.inflight[0][0].query():
-            _, _, key = self.inflight.popleft()
+        """Offload sources whose D2H copy completed stop counting as device bytes (with a simulated host lead: once
+        the device is known to have passed their copy, Note: [The host leads the device by two stages])."""
+        while self.inflight and self.inflight[0][0].query() and self._device_passed(self.inflight[0][3]):
+            _, _, key, _ = self.inflight.popleft()
             self.acct.remove_storage(key)
+
+    def _device_passed(self, layer: int) -> bool:
+        lead = self.host_lead
+        return lead == 0 or layer <= self.caught_up or self.host_stage - layer >= lead
+
+    def bound_host_lead(self, layer: int, ev: Any) -> None:
+        """Note: [The host leads the device by two stages]
+        On CUDA nothing in a forward blocks the host: it queues layer after layer, each kernel claiming its memory
+        at launch, while an offload source is freed only once the host sees its D2H copy complete. A host running
+        ``K`` layers ahead of the device thus holds ``K`` layers of offload sources (and a plan that offloads
+        approaches keep-all's peak); the device-side wait of Note: [Two stages of copies in flight]
+        (streaming/engine.py) does not bound that. So the forward of layer ``i`` also waits on the host for the
+        offload copies of layer ``i - 2`` (``layer``; a host sync only when they have not landed yet) and drops
+        their sources: the sources of at most layers ``i - 1`` and ``i`` are on the device, what the planner's stage
+        model charges (a copy issued after stage ``s`` occupies stage ``s + 1``).
+
+        The simulation's compute is synchronous, so its host never leads; ``LAZYTRAIN_SIMULATE_HOST_LEAD=K``
+        imitates a host ``K`` layers ahead: an offload source stays on the device (counted) until the host is ``K``
+        layers past it or waited for its copy here. Test:
+        ``tests/test_cuda_semantics_host.py::test_host_lead_is_bounded``."""
+        if not ev.query():
+            self.host_sync("the host waits for the offload copies of two layers back (its lead over the device)")
+            ev.synchronize()
+        self.caught_up = max(self.caught_up, layer)
+        self.poll_inflight()
 
     def drain_inflight(self) -> None:
         """Drop the offload sources at the end of a step without blocking the host.
@@ -136,8 +185,9 @@ class TierContext:
             event: its memory came from the compute stream, so the caching allocator hands it out again only to
             work queued after that wait. In the simulation the wait is a host wait, as every compute wait there.
         """
+        self.host_stage = self.caught_up = -1
         while self.inflight:
-            ev, _, key = self.inflight.popleft()
+            ev, _, key, _ = self.inflight.popleft()
             if not ev.query() and self.lanes is not None:
                 self.lanes.compute_wait(ev)
             self.acct.remove_storage(key)
@@ -229,7 +279,8 @@ class Tier:
             # its event completes (polled at every pack / end_layer), instead of record_stream, whose deferred
             # frees fragment the allocator. It counts as device bytes until then.
             key, _ = ctx.acct.add_storage(t)
-            ctx.inflight.append((ev, t, key))
+            ctx.inflight.append((ev, t, key, layer))
+            ctx.host_stage = max(ctx.host_stage, layer)  # Note: [The host leads the device by two stages]
             entry.copy_event = ev
             ctx.offload_events[layer] = ev  # Note: [Two stages of copies in flight] (streaming/engine.py)
         else:

@@ -5,7 +5,8 @@ Three implementations of the same step:
 * ``native`` (default where a C compiler works and the CPU has AVX-512 VBMI): the C kernel of ``csrc/hybrid8bit.c``, built on first use and
   called through ctypes (native.py); AVX-512 in-register table lookups where the CPU has them. Bit-identical to
   the numba kernel for finite values.
-* ``numba`` (fallback when the native build fails): ``@njit(parallel=True, fastmath=False, cache=True)``, threads over chunks of blocks.
+* ``numba`` (fallback when the native build fails): ``@njit(parallel=True, fastmath=False, cache=True, nogil=True)``,
+  threads over chunks of blocks, the GIL released.
   Per block, in one visit of its elements while they sit in L1: dequantize m and v, scale the gradient by the
   clip coefficient, AdamW with decoupled weight decay and bias correction, find the block's new absmax, requantize
   m and v to the nearest code (a positive v never to code 0: the rule is in the lookup tables, Note: [A non-zero
@@ -176,7 +177,9 @@ if NUMBA_AVAILABLE:
     # vectorized gather costs ~2.5 cycles per element against ~1.2 for a scalar load, and LLVM only vectorizes
     # them when it can prove the destination does not alias the table (it cannot for heap scratch buffers).
 
-    @njit(fastmath=False, error_model="numpy", cache=True)
+    # nogil: the optimizer thread updates layers while the training thread runs the next forward; a kernel that held
+    # the GIL would stall every kernel launch and hook of that forward for the whole update
+    @njit(fastmath=False, error_model="numpy", cache=True, nogil=True)
     def _update_blocks(
         b0,
         b1,
@@ -273,7 +276,7 @@ if NUMBA_AVAILABLE:
                         r = np.uint32(0x7FC0)
                     os16[i] = np.uint16(r)
 
-    @njit(parallel=True, fastmath=False, error_model="numpy", cache=True)
+    @njit(parallel=True, fastmath=False, error_model="numpy", cache=True, nogil=True)
     def _adamw8bit_parallel(
         p, p_bits, g, m_codes, m_absmax, v_codes, v_absmax, m_map, m_lut, m_bmid, v_map, v_lut, v_bmid, block_size,
         hp, out16, write16, chunk_blocks,

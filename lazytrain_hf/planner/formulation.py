@@ -4,8 +4,21 @@ Owns: `_build` (one commented variable block, one `# [Constraint]` block per rul
 `stages.py`, the objective: step time, or peak device memory when looking for the smallest GPU budget),
 `_warm_start` (a plan as the solver's initial point) and `_extract` (the solution as a `Plan`). The per-stage
 loads are written as the same sums `stages.evaluate_plan` takes for a fixed plan, so the optimum's objective is
-that plan's evaluated step time. Does not run or choose a solver (`solver.py` does), does not evaluate plans,
-imports pulp only inside its functions and never torch, and does not know the runtime.
+that plan's evaluated step time.
+
+The plan space holds block checkpointing too (`Plan.checkpoint_every = K > 1`, MegaTrain's scheme as our executor
+runs it: the input of every K-th layer kept on the device, each block recomputed as a whole, with grad, at its top
+layer's backward stage): one binary ``blk[K]`` per block size in `BLOCK_SIZES`, which replaces every layer's
+per-layer option. So each baseline's plan (`baselines.make_baseline`) is a point of the model (`_warm_start` sets it,
+stage times included, from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports pulp
+only inside its functions and never torch, and does not know the runtime.
+
+Note: [Block checkpointing as our executor runs it saves memory only when L / K > A / x]
+Our executor holds the saved tensors of all K layers of a block from its recomputation to their backward (MegaTrain
+holds one layer's graph and K hidden states, recomputing each layer a third time). Against recomputing every layer
+from its own input it saves ``(L - L/K) x`` of inputs and adds ``(K - 1) A``; with ``A / x`` between 21 and 48 for the
+zoo models (`LayerCost.saved_bytes / input_bytes`) the option is the least-memory plan almost nowhere, and never the
+fastest: it is in the model so that every baseline is a point of it.
 """
 
 from __future__ import annotations
@@ -27,9 +40,13 @@ from .stages import (
     _optimizer_finish_times,
     _option_of,
     _reload_stages,
+    evaluate_plan,
 )
 
 GIB = 2**30
+# Block sizes K the MILP may choose for block checkpointing (MegaTrain's default checkpoint_interval is 4; a block
+# larger than 8 holds more saved tensors at its recomputation than per-layer recomputation ever does).
+BLOCK_SIZES: tuple[int, ...] = tuple(range(2, 9))
 
 
 @dataclass
@@ -42,6 +59,7 @@ class _Model:
     yR: list[dict[tuple[str, int], Any]]
     T: list[Any]
     T_tail: Any
+    blk: dict[int, Any]  # block size K -> binary (block checkpointing every K layers)
 
 
 def _var(prob: Any, name: str, cat: str = "Binary") -> Any:
@@ -52,6 +70,14 @@ def _var(prob: Any, name: str, cat: str = "Binary") -> Any:
     if hasattr(prob, "add_variable"):
         return prob.add_variable(name, lowBound=low, cat=cat)
     return pulp.LpVariable(name, lowBound=low, cat=cat)
+
+
+def block_sizes(num_layers: int, allowed_options: Sequence[str]) -> list[int]:
+    """The block sizes of `BLOCK_SIZES` the MILP offers for ``num_layers`` layers (none without the device tier,
+    where the block checkpoints live)."""
+    if "rec_gpu" not in allowed_options:
+        return []
+    return [K for K in BLOCK_SIZES if K <= num_layers]
 
 
 def _build(
@@ -105,13 +131,23 @@ def _build(
                 if not fixed_slotting or a == min(1, max(_reload_stages(L, i, o, lookahead)))
             }
         )
+    # blk[K] = 1: block checkpointing every K layers (Plan.checkpoint_every = K), in place of every opt[i][o]; only
+    # when the device tier is allowed (the block checkpoints live there)
+    blk = {K: _var(prob, f"blk_{K}") for K in block_sizes(L, allowed)}
     T = [_var(prob, f"T_{s}", "Continuous") for s in range(S)]  # T[s]: duration of stage s (seconds)
     T_tail = _var(prob, "T_tail", "Continuous")  # end of B_0 -> start of the next F_0 (seconds)
-    model = _Model(prob, opt, res, yF, yB, yR, T, T_tail)
+    model = _Model(prob, opt, res, yF, yB, yR, T, T_tail, blk)
+    blocked = pulp.lpSum(blk.values())  # 1: the plan is block checkpointed
 
     # ------------------------------------------------------------------ [Constraint] one choice per decision
+    if blk:
+        prob += blocked <= 1, "one_block_size"
     for i in range(L):
-        prob += pulp.lpSum(opt[i].values()) == 1, f"one_option_{i}"
+        # a layer takes one per-layer option, or none when the whole plan is block checkpointed
+        prob += pulp.lpSum(opt[i].values()) + blocked == 1, f"one_option_{i}"
+        if blk and allow_resident:
+            # the block recomputation fetches every layer of the block (stage model, `evaluate_plan`)
+            prob += res[i] + blocked <= 1, f"block_not_resident_{i}"
         prob += pulp.lpSum(v for pair in yF[i].values() for v in pair if v is not None) == 1, f"one_fwd_fetch_{i}"
         if allow_resident:
             prob += pulp.lpSum(r for _, r in yF[i].values()) == res[i], f"resident_upload_{i}"
@@ -207,6 +243,20 @@ def _build(
             const_d2h[sB + 1] += lc.grad_bytes
         else:
             const_mem[S] += lc.grad_bytes
+    # block checkpointing (the same terms `evaluate_plan` takes for checkpoint_every = K)
+    for K, z in blk.items():
+        for j in range(0, L, K):
+            block = list(range(j, min(j + K, L)))
+            s_rec = 2 * L - block[-1]  # the top layer's backward stage recomputes the block
+            for s in range(j, 2 * L - j + 1):
+                mem[s].append((cm.layers[j].input_bytes, z))  # the block checkpoint
+            comp[s_rec].append((sum(cm.layers[k].fwd_s for k in block), z))
+            h2d[s_rec].append((sum(cm.layers[k].weight_bytes for k in block), z))
+            od[s_rec].append((cm.layers[j].weight_bytes, z))  # the first recompute fetch has nothing to hide behind
+            mem[s_rec].append((2 * max(cm.layers[k].weight_bytes for k in block), z))  # recompute double buffer
+            for k in block:
+                for s in range(s_rec, 2 * L - k + 1):
+                    mem[s].append((cm.layers[k].saved_bytes, z))  # recomputed, alive until B_k
     const_comp[L] += cm.head_s
     const_mem[L] += cm.head_ws_bytes + cm.head_grad_bytes
     const_mem[L + 1] += cm.head_grad_bytes
@@ -304,29 +354,40 @@ def _value(v: Any) -> float:
 
 def _extract(model: _Model, cm: CostModel, source: str) -> Plan:
     L = cm.num_layers
+    K = next((k for k, z in model.blk.items() if _value(z) > 0.5), 1)
     options, resident, ff, fb, rl = [], [], [], [], []
     for i in range(L):
-        o = max(model.opt[i], key=lambda k: _value(model.opt[i][k]))
+        o = "rec_gpu" if K > 1 else max(model.opt[i], key=lambda k: _value(model.opt[i][k]))
         options.append(o)
         resident.append(_value(model.res[i]) > 0.5)
         ff.append(max(model.yF[i], key=lambda a: _value(model.yF[i][a][0]) + _value(model.yF[i][a][1])))
         fb.append(max(model.yB[i], key=lambda a: _value(model.yB[i][a])) if not resident[-1] else 1)
         cand = {a: _value(v) for (oo, a), v in model.yR[i].items() if oo == o}
         rl.append(max(cand, key=cand.get) if cand else 1)
-    return _make_plan(cm, options, resident, ff, fb, rl, source=source)
+    return _make_plan(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K)
 
 
-def _warm_start(model: _Model, plan: Plan, lookahead: int) -> bool:
-    """Set initial values from ``plan`` when it is a point of this model; returns whether it was."""
+def _warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None = None) -> bool:
+    """Set initial values from ``plan`` when it is a point of this model; returns whether it was.
+
+    With ``cm`` the stage times and the tail are set too (from `evaluate_plan`), so the start is a complete solution:
+    HiGHS takes a complete start as its incumbent at once, a partial one only after it solved the LP that completes
+    it (which a time limit can cut short). ``plan.optimizer_overlap`` is not a decision: the model's plans overlap the
+    optimizer with the next forward, which is never slower (`evaluate_plan`), so a plan without the overlap starts
+    the model at that plan's decisions.
+    """
     L = len(model.opt)
-    values: list[tuple[Any, float]] = []
+    K = plan.checkpoint_every
+    if K > 1 and K not in model.blk:
+        return False
+    values: list[tuple[Any, float]] = [(z, 1.0 if k == K else 0.0) for k, z in model.blk.items()]
     for i in range(L):
         lp = plan.layers[i]
         o = _option_of(lp)
-        if o not in model.opt[i]:
+        if K == 1 and o not in model.opt[i]:
             return False
         for k, v in model.opt[i].items():
-            values.append((v, 1.0 if k == o else 0.0))
+            values.append((v, 1.0 if (k == o and K == 1) else 0.0))
         if model.res[i] is not None:
             values.append((model.res[i], 1.0 if lp.resident else 0.0))
         elif lp.resident:
@@ -342,10 +403,18 @@ def _warm_start(model: _Model, plan: Plan, lookahead: int) -> bool:
             return False
         for a, y in model.yB[i].items():
             values.append((y, 1.0 if (a == lp.fetch_bwd_ahead and not lp.resident) else 0.0))
+        # a reload is issued no earlier than its offload allows (clamped as `evaluate_plan` and the executor do)
+        legal = _reload_stages(L, i, o, 2 * L) if _offloaded_bytes_needed(o) else []
+        aR = min(lp.reload_ahead, max(legal)) if legal else lp.reload_ahead
         for (oo, a), y in model.yR[i].items():
-            values.append((y, 1.0 if (oo == o and a == lp.reload_ahead) else 0.0))
-        if _offloaded_bytes_needed(o) and (o, lp.reload_ahead) not in model.yR[i]:
+            values.append((y, 1.0 if (oo == o and a == aR and K == 1) else 0.0))
+        if K == 1 and _offloaded_bytes_needed(o) and (o, aR) not in model.yR[i]:
             return False
+    if cm is not None:
+        overlapped = Plan.from_dict({**plan.to_dict(), "optimizer_overlap": True})
+        ev = evaluate_plan(overlapped, cm)
+        values += list(zip(model.T, ev.stage_times))
+        values.append((model.T_tail, ev.tail_s))
     for v, x in values:
         v.setInitialValue(x)
     return True

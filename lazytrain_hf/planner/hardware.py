@@ -465,6 +465,8 @@ def _median_time(fn, repeats: int) -> float:
 def _measure_copy(device: str, nbytes: int, repeats: int) -> tuple[float, float]:
     import torch
 
+    from .. import pinned
+
     n = nbytes // 2
     if device == "cpu":
         # The CPU executor copies between host buffers; both directions are memcpy.
@@ -473,7 +475,10 @@ def _measure_copy(device: str, nbytes: int, repeats: int) -> tuple[float, float]
         b.copy_(a)
         t = _median_time(lambda: b.copy_(a), repeats)
         return nbytes / t / GB, nbytes / t / GB
-    host = torch.empty(n, dtype=torch.bfloat16, pin_memory=True).fill_(1)
+    # an exact-size registered probe, unregistered and freed when it goes (the caching host allocator would keep a
+    # power-of-two block page-locked for the life of the process: Note: [The caching host allocator rounds and keeps])
+    probe = pinned.PinnedBlock(n * 2, True, "the host bandwidth probe")
+    host = probe.tensor.view(torch.bfloat16).fill_(1)
     dev = torch.empty(n, dtype=torch.bfloat16, device=device)
 
     def h2d() -> None:

@@ -15,10 +15,11 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
   `Quantized8bit`), ``8 * n`` below (fp32 m and v), as `HybridAdamW8bit.state_bytes` counts it; ``8 * n`` for
   every tensor with torch AdamW (``hybrid_8bit=False``);
 - ``activations``: the plan's pinned activation buffers (``plan.predicted["pinned_host_bytes"]``);
-- ``staging``: gradient staging with gradient accumulation: micro-batches after the first copy a layer's device
-  gradient into host staging before adding it to the accumulator (Note: [Host accumulators are read only after
-  their copy landed], streaming/engine.py); bounded by `GRAD_STAGING_LAYERS` layers of gradients in the compute
-  dtype;
+- ``staging``: pinned gradient staging (exact-size registered buffers), with gradient accumulation (micro-batches
+  after the first copy a layer's device gradient into host staging before adding it to the accumulator: Note: [Host
+  accumulators are read only after their copy landed], streaming/engine.py) and whenever gradients are not fp32
+  (they cross in their own dtype and are upcast on the host: Note: [Gradients cross in their own dtype]); bounded by
+  `GRAD_STAGING_LAYERS` layers of gradients in the compute dtype;
 - ``resident``: host bytes of the parameters that are not streamed: their fp32 gradient copies the optimizer takes
   at each step on CUDA (``4 * n``);
 - ``device_on_host``: on a CPU device, device memory is host memory: the resident parameters and their gradients,
@@ -144,6 +145,7 @@ class Unit:
     # gradients (the lm_head's, waiting, and the lookup's) into a third tensor before they reach the executor
     tied_numel: int = 0
     tied_dtype: torch.dtype = torch.float32
+    on_disk: bool = False  # a streamed unit read from disk (`lazytrain_hf.from_pretrained`)
 
 
 def optimizer_state_bytes(
@@ -193,6 +195,7 @@ def host_footprint(
     fp = HostFootprint(activations=int(pinned_activation_bytes))
     cpu = device_type == "cpu"
     max_unit, max_grad_compute, transient = 0, 0, 0
+    staged = False  # a streamed gradient crosses in a dtype other than its fp32 accumulator's
     slot_bytes: dict[str, int] = {}
     for u in units:
         trainable = [n for n, _, t in u.tensors if t]
@@ -217,8 +220,14 @@ def host_footprint(
                 fp.masters += lay.master_bytes
                 fp.grads += lay.grad_bytes
                 fp.pinned_store += _align(lay.compute_bytes) + _align(lay.grad_bytes)
+            if not u.on_disk:
+                # Note: [A frozen parameter keeps its own values] (streaming/store.py): the original of a frozen
+                # parameter whose compute copy is rounded stays on the host
+                kept = [n * d.itemsize for (n, d, t), (_, cd, _) in zip(u.tensors, in_compute) if not t and cd != d]
+                fp.masters += sum(kept)
             max_unit = max(max_unit, lay.compute_bytes)
             max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
+            staged |= any(t and d != torch.float32 for _, d, t in in_compute)
             if cpu:
                 nb = _align(lay.compute_bytes, ALIGN_BYTES)
                 if u.plan_resident:
@@ -249,7 +258,7 @@ def host_footprint(
                 fp.device_on_host += 2 * u.tied_numel * cdt.itemsize
         fp.device_on_host += transient  # one streamed embedding / head unit bound at a time
         fp.device_on_host += max_grad_compute  # one layer's device gradients until they reach the accumulators
-    if gradient_accumulation_steps > 1:
+    if gradient_accumulation_steps > 1 or staged:
         fp.staging = GRAD_STAGING_LAYERS * max_grad_compute
     fp.checkpoint = max_unit
     if state_nvme:
@@ -299,6 +308,7 @@ def units_of_model(model: torch.nn.Module, plan) -> list[Unit]:
                     bool(lp is not None and lp.resident),
                     lp.kind if lp is not None else "",
                     key,
+                    on_disk=any(p.device.type == "meta" for p in streamed),  # attach reads meta ones from disk
                 )
             )
     embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)

@@ -20,7 +20,6 @@ trainer carries out.
 
 from __future__ import annotations
 
-import math
 import time
 import warnings
 from collections.abc import Sequence
@@ -44,6 +43,7 @@ from .stages import (
     _reload_stages,
     evaluate_plan,
 )
+from .warmstart import better_of, start_candidates
 
 __all__ = [
     # the entry points
@@ -153,17 +153,12 @@ def solve(
     model = _build(
         cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, "time", allow_resident, fixed_slotting
     )
+    # the fastest plan we hold that fits (caller's, coarse, heuristic, every baseline) and is a point of the model
     start = None
-    candidates = [c for c in (warm_start, coarse, heuristic) if c is not None]
-    if len(candidates) > 1:  # the best-evaluating candidate first
-        candidates.sort(key=lambda c: evaluate_plan(c, cm).step_time_s if c.num_layers == cm.num_layers else math.inf)
-    for cand in candidates:
-        if cand.num_layers == cm.num_layers and cand.checkpoint_every == 1:
-            if _fits(evaluate_plan(cand, cm), gpu_budget, host_budget, nvme_budget) and _warm_start(
-                model, cand, lookahead
-            ):
-                start = cand
-                break
+    candidates = start_candidates(
+        cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, (warm_start, coarse, heuristic)
+    )
+    start = next((c for c in candidates if _warm_start(model, c, lookahead, cm)), None)
     rep = _solve(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
     rep["seconds"] = time.perf_counter() - t_start
     if rep["status"] == "infeasible" and start is None:
@@ -171,8 +166,11 @@ def solve(
     if rep["status"] == "infeasible":
         # A plan we hold fits by exact evaluation, so this is the solver's tolerance at a budget met with equality.
         rep["has_solution"] = False
+    kept_start = False
     if rep["has_solution"]:
-        plan = _extract(model, cm, "milp")
+        # See Note: [A solve never returns worse than its start]
+        plan, kept_start = better_of(_extract(model, cm, "milp"), start, cm)
+        plan.source = "milp"
         if rep["status"] != "optimal":
             warnings.warn(
                 f"MILP stopped before proving optimality ({rep['solver_result']}, gap={rep['gap']}); using its best "
@@ -195,6 +193,9 @@ def solve(
         "gap": rep["gap"],
         "name": name,
         "objective": rep["objective"],
+        "warm_start": rep.get("warm_start", "given" if start is not None else "none"),
+        "start": start.source if start is not None else None,
+        "kept_start": kept_start,
     }
     return plan
 

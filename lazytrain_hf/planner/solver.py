@@ -113,9 +113,13 @@ def _solve(
         else:
             status = "no_solution"
     else:
-        cmd = pulp.HiGHS(msg=False, timeLimit=time_limit, gapRel=gap, warmStart=warm, threads=threads)
+        # the start reaches HiGHS through Highs.setSolution (PuLP's warmStart option does not), see highs_start.py
+        from .highs_start import highs_command
+
+        cmd = highs_command(warm, msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
         with _quiet_stdout():  # HiGHS prints its banner even with msg=False (it would corrupt `--json` output)
             prob.solve(cmd)
+        report["warm_start"] = cmd.warm_start
         h = prob.solverModel
         info = h.getInfo()
         ms = h.modelStatusToString(h.getModelStatus())

@@ -29,6 +29,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
+from ..streams import set_param_data
 from .engine import Slot
 from .store import ALIGN_BYTES, LayerStore, _align
 
@@ -90,13 +91,25 @@ class _LayerState:
     bwd_started: bool = False
     expected: set[int] | None = None
     accumulated: set[int] = field(default_factory=set)
+    # Note: [A parameter may have several gradient accumulators] in completion.py: param id -> {node id: the
+    # AccumulateGrad node} found in this step's graph, and how many of them have fired
+    acc_nodes: dict[int, dict[int, object]] = field(default_factory=dict)
+    acc_hits: dict[int, int] = field(default_factory=dict)
     completed: bool = False
+    # (the nodes hold their parameter: forgotten when the step's backward ends, `forget_accumulators`)
     device_grad_bytes: int = 0
 
     def reset_step(self) -> None:
         self.want_bwd = self.in_engine = self.input_rg = self.input_done = self.bwd_started = False
         self.expected = None
         self.accumulated = set()
+        self.forget_accumulators()
+
+    def forget_accumulators(self) -> None:
+        """Drop the step's accumulator nodes: each holds its parameter, which `torch.utils.swap_tensors` (the
+        parameters left on disk by `remove()`) and the garbage collector need released once backward is over."""
+        self.acc_nodes = {}
+        self.acc_hits = {}
         self.completed = False
         self.device_grad_bytes = 0
 
@@ -236,8 +249,10 @@ class ParameterBinder:
             self._fetch(i, urgent=True)
         self.engine.wait_ready(st.slot)  # Note: [Compute waits for the H2D event]
         buf = st.slot.buffer
+        sim = self.engine.simulated
         for e in st.store.entries:  # Note: [Parameters point at the host copy unless bound]
-            e.param.data = e.view_bytes(buf)
+            # Note: [Moving a parameter's data drops its gradient accumulator] in lazytrain_hf/streams.py
+            set_param_data(e.param, e.view_bytes(buf), sim)
         st.bound = True
 
     @contextlib.contextmanager
@@ -269,8 +284,9 @@ class ParameterBinder:
         if st.resident or st.slot is None:
             return
         if st.bound:
+            sim = self.engine.simulated
             for e in st.store.entries:
-                e.param.data = st.store.compute_views[e.name]
+                set_param_data(e.param, st.store.compute_views[e.name], sim)  # Note: [Moving a parameter's data ...]
             st.bound = False
         self.engine.release(st.slot)  # Note: [Slot reuse waits for the compute event]
         st.slot = None
@@ -302,11 +318,14 @@ class ParameterBinder:
                     st.slot = None
                     st.bound = False
                     continue
+                frozen = st.store.frozen_values()  # Note: [A frozen parameter keeps its own values] in store.py
                 for e in st.store.entries:
                     src = st.store.compute_views[e.name]
                     if e.orig_dtype is not None and e.trainable:
                         src = st.store.master_views[e.name]  # Note: [A bf16 compute copy of an fp32 model]
-                    e.param.data = src.to(e.orig_device, e.orig_dtype or e.dtype, copy=True)
+                    elif e.name in frozen:
+                        src = frozen[e.name]
+                    e.param.data = src.to(e.orig_device, e.orig_dtype or e.dtype, copy=e.name not in frozen)
                     e.param.grad = None
                 st.slot = None
                 st.bound = False

@@ -12,10 +12,21 @@ Note: [When a layer's backward is complete]
     input boundary's backward ran (every node that reads the layer's weights to produce an input gradient has run)
     and each of those parameters has accumulated. A callback queued on the autograd engine completes anything left
     when backward ends, so a missing gradient can never leave a slot held or a gradient on the device.
+
+Note: [A parameter may have several gradient accumulators]
+    A parameter released and bound again between two uses in one forward (a tied embedding: the lookup, then the
+    lm_head) has one ``AccumulateGrad`` node per binding on CUDA, since moving its data to another device resets its
+    accumulator (Note: [Moving a parameter's data drops its gradient accumulator] in lazytrain_hf/streams.py).
+    Autograd then no longer sums the two uses before accumulation: each node adds its part into ``.grad`` and fires
+    the post-accumulate-grad hook. The graph walks of the forward (`_expected_params`, and `_note_accumulators` for
+    the embedding and the head) record every distinct accumulator node of each trainable parameter, and a parameter
+    counts as accumulated only once each of them fired, so its unit completes with the sum of both uses. Test:
+    ``tests/test_cuda_semantics_grad.py::test_tied_stream_embeddings_grads_sum_both_uses``.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -47,6 +58,7 @@ class CompletionTracker:
         if self._phase != "idle":
             self._abort_step()
         self._step_id += 1
+        self._forward_t0 = time.perf_counter()  # the simulation's long stalls last a forward (`note_forward`)
         self._embed_began = False
         self._phase = "forward"
         self._grad_step = torch.is_grad_enabled()
@@ -60,6 +72,7 @@ class CompletionTracker:
         """End a step that will get no backward (eval forward, exception, discarded graph)."""
         self._deferred.clear()  # first: releasing a slot below must not issue fetches for a step that is over
         for st in self._all.values():
+            st.forget_accumulators()
             if st.in_engine:
                 st.in_engine = False
                 self.activations.end_layer(st.index)
@@ -87,9 +100,17 @@ class CompletionTracker:
             if var is not None:
                 if id(var) in st.trainable:
                     found.add(id(var))
+                    # Note: [A parameter may have several gradient accumulators]
+                    st.acc_nodes.setdefault(id(var), {})[id(fn)] = fn
                 continue
             stack.extend(nxt for nxt, _ in fn.next_functions)
         return found
+
+    def _note_accumulators(self, output: Any, st: _LayerState) -> None:
+        """Record the accumulator nodes of ``st``'s parameters that ``output``'s graph reaches (down to the layer
+        boundaries). Note: [A parameter may have several gradient accumulators]."""
+        if isinstance(output, torch.Tensor) and output.grad_fn is not None:
+            self._expected_params(output.grad_fn, st)
 
     def _check_step(self, step: int) -> None:
         if step != self._step_id:
@@ -131,11 +152,15 @@ class CompletionTracker:
                 self._enter_backward()  # the head's gradients arrive before any layer's backward stage
             if self._phase != "backward" or st.completed:
                 return  # e.g. torch.autograd.backward on a graph this executor did not record
-            st.accumulated.add(id(p))
-            if id(p) in self._streamed_ids and p.grad is not None:
+            pid = id(p)
+            hits = st.acc_hits[pid] = st.acc_hits.get(pid, 0) + 1
+            if hits == 1 and pid in self._streamed_ids and p.grad is not None:
                 n = p.grad.numel() * p.grad.element_size()
                 st.device_grad_bytes += n
                 self._device_grad_bytes += n
+            if hits < len(st.acc_nodes.get(pid, ())):
+                return  # another accumulator of this parameter is still to add its part (Note: [A parameter may ...])
+            st.accumulated.add(pid)
             self._maybe_complete(i)
 
         return grad_hook
@@ -155,6 +180,7 @@ class CompletionTracker:
         for st in self._all.values():
             if st.expected is not None and not st.completed:
                 self._complete(st.index)
+            st.forget_accumulators()  # Note: [A parameter may have several gradient accumulators]
             self._release(st.index)
         self._boundary_nodes.clear()
         self.activations.end_step()

@@ -68,12 +68,15 @@ Note: [Gradients cross in their own dtype]
 
 Note: [Two stages of copies in flight]
     Offloads and gradients leave the device on the D2H lane while compute goes on; if that lane is slower than
-    compute, their sources would pile up on the device. The forward of layer ``i`` therefore waits (on the device,
-    not the host) for the offload copies of layer ``i - 2``, and the backward stage of layer ``i`` for the gradient
-    copies of layer ``i + 2`` (the head unit's for ``L - 2``): at most two stages of copies are in flight, the
-    memory and time the planner's stage model charges (a copy issued after stage ``s`` occupies stage ``s + 1``).
-    Test: ``tests/test_trace.py::test_copies_in_flight_are_bounded`` (the simulator and the stage model then agree
-    on peak memory).
+    compute, their sources would pile up on the device. The forward of layer ``i`` therefore waits for the offload
+    copies of layer ``i - 2``, and the backward stage of layer ``i`` for the gradient copies of layer ``i + 2`` (the
+    head unit's for ``L - 2``): at most two stages of copies are in flight, the memory and time the planner's stage
+    model charges (a copy issued after stage ``s`` occupies stage ``s + 1``). The compute stream waits, and so does
+    the host (a host sync only when the copy has not landed): a source is freed only once the host knows its copy
+    ran, so a host far ahead of the device would hold many stages of them (Note: [The host leads the device by two
+    stages] in activations/tiers.py, Note: [Gradients freed behind their copy stay while the host leads] in
+    gradients.py). Tests: ``tests/test_trace.py::test_copies_in_flight_are_bounded`` (the simulator and the stage
+    model then agree on peak memory), ``tests/test_cuda_semantics_host.py::test_host_lead_is_bounded*``.
 
 Every copy is recorded in the handle's trace (`lazytrain_hf.streaming.trace`), and so is every point where the
 training thread blocks on device work (``Trace.host_sync``).
@@ -90,7 +93,9 @@ from typing import Any
 
 import torch
 
-from ..streams import lanes_for, poison_
+from .. import pinned
+from ..streams import SimDelay, lanes_for, pin_host_memory, poison_
+from ..threads import background_worker, on_step_path
 from .trace import Trace
 
 # Note: [Gradients cross in their own dtype]: staging buffers per (dtype, size) kept for reuse
@@ -136,19 +141,27 @@ class TransferEngine:
         # None: synchronous CPU copies; else CUDA streams or the simulated asynchronous lanes
         self.lanes = lanes_for(self.device, ("h2d", "d2h"), "transfer")
         self.is_async = self.lanes is not None
+        # simulated lanes on the CPU (lazytrain_hf.streams): binding models CUDA's device moves (Note: [Moving a
+        # parameter's data drops its gradient accumulator])
+        self.simulated = self.is_async and not self.is_cuda
         self.pools: dict[str, list[Slot]] = {}
         self._free: dict[str, list[Slot]] = {}
         self._slot_bytes: dict[str, int] = {}
         self.by_ptr: dict[int, Slot] = {}
         self.grown: dict[str, int] = {}
         self._host_read: dict[int, torch.cuda.Event] = {}
+        self._host_read_lock = threading.Lock()  # the training and the optimizer thread both read and write it
         self._grad_events: dict[int, Any] = {}  # layer -> its last gradient D2H copy (Note: [Two stages of ...])
         self._pending: list[torch.cuda.Event] = []
-        self._worker: _HostWorker | None = _HostWorker() if self.is_async else None
+        # the gradient worker; simulated, it stalls like a lane (Note: [Every background worker stalls for longer
+        # than a forward] in lazytrain_hf/streams.py)
+        self._worker: _HostWorker | None = (
+            _HostWorker(SimDelay("grad-worker") if self.simulated else None) if self.is_async else None
+        )
         self.fetch_count = 0
         self.fetch_bytes = 0
         self.trace = Trace(device=self.device)
-        self._staging = _StagingPool(pin=self.is_cuda)
+        self._staging = _StagingPool(pin=pin_host_memory(self.device))
 
     def __repr__(self) -> str:
         pools = ", ".join(f"{k}: {len(v)} x {self._slot_bytes[k]}B" for k, v in self.pools.items())
@@ -158,6 +171,10 @@ class TransferEngine:
     def _new_slot(self, kind: str, nbytes: int, pooled: bool) -> Slot:
         buf = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         slot = Slot(kind=kind, buffer=buf, pooled=pooled)
+        if self.is_async:
+            # the buffer comes from the caching allocator on the compute stream, whose queued kernels may still use
+            # that memory: the first fill waits for them like a refill (Note: [Slot reuse waits for the compute event])
+            slot.released = self.lanes.compute_event()
         self.by_ptr[slot.storage_ptr] = slot
         return slot
 
@@ -250,6 +267,12 @@ class TransferEngine:
                 "bound and has not released; it could overwrite weights queued kernels still read. See Note: [Slot "
                 "reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
             )
+        if self.simulated and slot.released is None:
+            raise RuntimeError(
+                f"lazytrain_hf streaming: a copy of layer {layer} into a {slot.kind!r} slot that is not ordered after "
+                "the compute stream (slot.released is None); its memory may still be in use by queued kernels. See "
+                "Note: [Slot reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
+            )
         slot.owner = layer
         self.fetch_count += 1
         self.fetch_bytes += n
@@ -260,8 +283,9 @@ class TransferEngine:
             return
         # Note: [Slot reuse waits for the compute event]
         slot.ready = self.lanes["h2d"].copy(dst, src_bytes, after=(slot.released,))
-        # Note: [Host compute copy is not rewritten while a fetch reads it]
-        self._host_read[layer] = slot.ready
+        # Note: [Host compute copy is not rewritten while a fetch reads it]; the optimizer thread uploads too
+        with self._host_read_lock:
+            self._host_read[layer] = slot.ready
 
     def wait_ready(self, slot: Slot) -> None:
         """Make the compute stream wait for the slot's fetch before it uses the slot. See Note: [Compute waits for
@@ -276,9 +300,11 @@ class TransferEngine:
 
         See Note: [Host compute copy is not rewritten while a fetch reads it].
         """
-        ev = self._host_read.pop(layer, None)
+        with self._host_read_lock:
+            ev = self._host_read.pop(layer, None)
         if ev is not None:
-            if threading.current_thread() is threading.main_thread():
+            # the training or autograd thread, not the optimizer's (Note: [Backward runs on another thread])
+            if on_step_path():
                 self.trace.host_sync("wait_host_reads")
             ev.synchronize()
 
@@ -361,6 +387,12 @@ class TransferEngine:
         ev = self._grad_events.pop(layer, None)
         if ev is not None:
             self.lanes.compute_wait(ev)
+            # the host too, bounding its lead (Note: [Gradients freed behind their copy stay while the host leads]
+            # in gradients.py); a host sync only when the copy has not landed yet
+            if not ev.query():
+                self.trace.host_sync("the host waits for the gradient copies of two layers back (its lead)")
+                ev.synchronize()
+            self.grads_down_layer = layer
 
     def synchronize(self) -> None:
         """Wait for every pending copy and host-side accumulation (no-op for synchronous CPU copies)."""
@@ -376,7 +408,8 @@ class TransferEngine:
         # A fetch whose layer computed since has been read: the compute waited for it, and the gradient copies just
         # waited for are ordered after that compute. Forgetting those events (a non-blocking query) spares the
         # optimizer a host synchronisation per layer in `wait_host_reads`.
-        self._host_read = {k: ev for k, ev in self._host_read.items() if not ev.query()}
+        with self._host_read_lock:  # the optimizer thread may be inserting (an upload of a resident layer)
+            self._host_read = {k: ev for k, ev in self._host_read.items() if not ev.query()}
 
     def close(self) -> None:
         if self._worker is not None:
@@ -389,7 +422,8 @@ class TransferEngine:
         self.pools.clear()
         self._free.clear()
         self.by_ptr.clear()
-        self._host_read.clear()
+        with self._host_read_lock:
+            self._host_read.clear()
 
 
 def _align256(n: int) -> int:
@@ -397,28 +431,35 @@ def _align256(n: int) -> int:
 
 
 class _StagingPool:
-    """Pinned (on CUDA) staging buffers for gradients crossing to the host, by dtype and element count.
+    """Pinned (registered, exact-size) staging buffers for gradients crossing to the host, by dtype and element count.
 
-    See Note: [Gradients cross in their own dtype]. `get` returns a free buffer of at least ``numel`` elements
-    (sizes are rounded up to a power of two so that layers of one model share buffers) or allocates one; `put`
+    See Note: [Gradients cross in their own dtype]. `get` returns a free buffer of ``numel`` elements or allocates
+    one; `put`
     hands it back once the worker consumed it. At most `STAGING_BUFFERS` free buffers per class are kept.
     """
 
     def __init__(self, pin: bool):
         self.pin = pin
         self._free: dict[tuple[torch.dtype, int], list[torch.Tensor]] = {}
+        self._blocks: dict[int, pinned.PinnedBlock] = {}  # address -> the registered block of a buffer
         self._lock = threading.Lock()
         self.allocated_bytes = 0
 
     def get(self, dtype: torch.dtype, numel: int) -> torch.Tensor:
-        """A 1-D buffer of at least ``numel`` elements (its first ``numel`` are what the caller uses)."""
-        cap = 1 << max(0, int(numel - 1).bit_length())
+        """A 1-D buffer of exactly ``numel`` elements, registered when ``pin`` (Note: [Pinned blocks are registered,
+        not cached] in store.py: no power-of-two rounding; layers of one kind still share buffers)."""
         with self._lock:
-            free = self._free.get((dtype, cap))
+            free = self._free.get((dtype, numel))
             if free:
                 return free.pop()
-            self.allocated_bytes += cap * dtype.itemsize
-        return torch.empty(cap, dtype=dtype, pin_memory=self.pin)
+            self.allocated_bytes += numel * dtype.itemsize
+        if not self.pin:
+            return torch.empty(numel, dtype=dtype)
+        block = pinned.PinnedBlock(numel * dtype.itemsize, True, "gradient staging")
+        buf = block.tensor.view(dtype)
+        with self._lock:
+            self._blocks[buf.data_ptr()] = block
+        return buf
 
     def put(self, buf: torch.Tensor) -> None:
         """Hand back a buffer from `get` (its last reader is done)."""
@@ -426,8 +467,11 @@ class _StagingPool:
             free = self._free.setdefault((buf.dtype, buf.numel()), [])
             if len(free) < STAGING_BUFFERS:
                 free.append(buf)
-            else:
-                self.allocated_bytes -= buf.numel() * buf.element_size()
+                return
+            self.allocated_bytes -= buf.numel() * buf.element_size()
+            block = self._blocks.pop(buf.data_ptr(), None)
+        if block is not None:
+            block.release()
 
 
 class _HostWorker:
@@ -436,19 +480,26 @@ class _HostWorker:
     Exceptions raised by the work are re-raised by the next `drain`.
     """
 
-    def __init__(self):
+    def __init__(self, delay: SimDelay | None = None):
         self._q: queue.Queue[Callable[[], None] | None] = queue.Queue()
         self._error: BaseException | None = None
+        self.delay = delay
         self._thread = threading.Thread(target=self._run, name="lazytrain-stream-host", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
+        with background_worker():  # its waits do not stall the step (Note: [Backward runs on another thread])
+            self._loop()
+
+    def _loop(self) -> None:
         while True:
             fn = self._q.get()
             try:
                 if fn is None:
                     return
                 if self._error is None:
+                    if self.delay is not None:
+                        self.delay.sleep()
                     fn()
             except BaseException as e:  # surfaced on the caller's thread by drain()
                 self._error = e

@@ -31,11 +31,13 @@ Note: [Data parallel reduces the host accumulators once per step]
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable
 
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from ..activations.tiers import simulated_host_lead
 from .binder import _LayerState
 
 # Elements per piece of a squared norm taken in fp32 over a lower-precision gradient (`squared_norm`)
@@ -90,7 +92,12 @@ class GradientSink:
             spilled = self._spilled(i)
             if spilled:
                 # the accumulator is a host window over the unit's file (lazytrain_hf.streaming.nvmestate)
-                self.nvme_state.open_grad(i, ls, accumulate=not fresh)
+                self._wait_written_back(i)
+                read = self.nvme_state.open_grad(i, ls, accumulate=not fresh, defer_read=True)
+                if read is not None:
+                    # the accumulated gradient is read by the host worker, in order before this micro-batch's
+                    # addition (only the worker touches the window until then), not on the training thread
+                    self.engine.offload_grads([], accumulate=True, after=read)
             pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
             if self.grad_reducer is not None:
                 # every rank must reduce the same tensors in the same order: a parameter without a gradient here
@@ -126,6 +133,24 @@ class GradientSink:
         if i == self.head_key and self._tied:
             self._release(self.embed_key)  # the lm_head's use of the tied weight is over too
 
+    def _written_back(self) -> dict[int, threading.Event]:
+        """Per unit whose state is on NVMe: an event set once its last gradient window was written back."""
+        return self.__dict__.setdefault("_written_back_events", {})
+
+    def _wait_written_back(self, i: int) -> None:
+        """Note: [A unit's gradient window is written back before it is opened again]
+        With the state on NVMe, micro-batch ``k``'s gradient window of unit ``i`` is written back to the unit's file
+        by the host worker (`close_grad`, after the D2H copy landed); micro-batch ``k + 1``'s `open_grad` reads that
+        file and rebinds the unit's gradient views to a new window. It must come after the write-back, or it reads a
+        stale gradient and the worker writes into the new window (or a poisoned view). The worker sets the unit's
+        event once its write-back ran; when it has not, the host drains the worker (counted as a host sync, and
+        rare: a whole forward lies between a unit's two completions). Test:
+        ``tests/test_cuda_semantics_host.py::test_state_nvme_write_back_precedes_the_next_micro_batch``."""
+        written = self._written_back().get(i)
+        if written is not None and not written.is_set():
+            self._host_sync("gradient window written back before the next micro-batch")
+            self.engine.synchronize()
+
     def _spilled(self, i: int) -> bool:
         spill = getattr(self, "nvme_state", None)
         return spill is not None and i in spill.units
@@ -135,6 +160,8 @@ class GradientSink:
     ) -> Callable[[], None] | None:
         if not host_norm and not reduce and not self._callbacks and not spilled:
             return None
+        if spilled:  # Note: [A unit's gradient window is written back before it is opened again]
+            written = self._written_back()[i] = threading.Event()
 
         def after() -> None:
             ls = self.store.layers[i]
@@ -148,6 +175,7 @@ class GradientSink:
             self._run_callbacks(i)
             if spilled:
                 self.nvme_state.close_grad(i, ls)  # written back to the unit's file, the window released
+                written.set()
 
         return after
 
@@ -163,12 +191,48 @@ class GradientSink:
             return
         for e in st.store.trainable_entries:
             e.param.grad = None
-        self._device_grad_bytes -= st.device_grad_bytes
+        n = st.device_grad_bytes
+        self._device_grad_bytes -= n
         st.device_grad_bytes = 0
+        # Note: [Gradients freed behind their copy stay while the host leads]
+        d = self.__dict__
+        seq = d["_grad_seq"] = d.get("_grad_seq", 0) + 1
+        d.setdefault("_grad_seq_of", {})[st.index] = seq
+        lead = simulated_host_lead() if self.engine.is_async and not self.engine.is_cuda else 0
+        if lead and n:
+            d.setdefault("_deferred_grads", []).append((seq, n, lead))
+
+    # Note: [Gradients freed behind their copy stay while the host leads]
+    #     A layer's device gradients are dropped right after their D2H copy is queued, marked with
+    #     ``record_stream`` (Note: [Gradient memory outlives its D2H copy] in engine.py): the caching allocator reuses
+    #     the memory only once the device passed the copy. A host ``K`` layers ahead of the device (Note: [The host
+    #     leads the device by two stages] in activations/tiers.py) allocates the next layers' gradients meanwhile, so
+    #     ``K`` layers of gradients are on the device, however early the host dropped them. The simulated host lead
+    #     (``LAZYTRAIN_SIMULATE_HOST_LEAD``) keeps such gradients counted as device bytes until ``K`` completions
+    #     later or until the host waited for a gradient copy issued at or after theirs (`TransferEngine.wait_grads_down`
+    #     waits on the host for layer ``i + 2``'s copy in the backward of layer ``i``). Test:
+    #     ``tests/test_cuda_semantics_host.py::test_host_lead_is_bounded_in_backward``.
+    @property
+    def _device_grad_bytes(self) -> int:
+        """Bytes of layer gradients on the device: waiting for their copy, or freed behind it but (with a simulated
+        host lead) not known to be passed by the device yet."""
+        d = self.__dict__
+        deferred = d.get("_deferred_grads")
+        if deferred:
+            seq_of = d.get("_grad_seq_of", {})
+            waited = seq_of.get(getattr(self.engine, "grads_down_layer", None), 0)
+            now = d.get("_grad_seq", 0)
+            deferred[:] = [(s, n, k) for s, n, k in deferred if s > waited and now - s < k]
+        return d.get("_live_grad_bytes", 0) + sum(n for _, n, _ in deferred or ())
+
+    @_device_grad_bytes.setter
+    def _device_grad_bytes(self, value: int) -> None:
+        self.__dict__["_live_grad_bytes"] = value - sum(n for _, n, _ in self.__dict__.get("_deferred_grads", ()))
 
     def synchronize(self) -> None:
         """Wait until every gradient copy and host accumulation issued so far has finished."""
         self.engine.synchronize()
+        self.__dict__.pop("_deferred_grads", None)  # the device passed every copy
 
     def on_layer_grads_ready(self, fn: Callable[[int, dict[str, torch.Tensor]], None]) -> RemovableHandle:
         """Call ``fn(layer_index, grads)`` each time a layer's gradients of a backward are in place.

@@ -26,6 +26,7 @@ executor's device-memory accounting, the chunked loss entry point and `attach`.
 
 from __future__ import annotations
 
+import time
 import warnings
 import weakref
 from collections import OrderedDict
@@ -36,9 +37,10 @@ import torch
 import torch.nn as nn
 from torch.utils.hooks import RemovableHandle
 
-from .. import models
+from .. import models, streams, threads
 from ..activations import ActivationEngine
 from ..planner.plan import Plan
+from ..streams import pin_host_memory
 from .binder import RESIDENT_TRAINABLE_FRACTION, ParameterBinder, hf_root
 from .completion import CompletionTracker, _Boundary
 from .engine import TransferEngine
@@ -109,7 +111,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         # why `causal_lm_loss` must run the model's own forward (an adapter outside the layers), or None
         self._full_model_loss = chunked_loss_unsupported(model)
         self.is_cuda = device.type == "cuda"
-        pin = self.is_cuda if pin_memory is None else bool(pin_memory)
+        pin = pin_host_memory(device) if pin_memory is None else bool(pin_memory)
         self.store = HostStore(pin_memory=pin)
         self.engine = TransferEngine(device)
         # every transfer, compute span, update and host synchronisation of a step (lazytrain_hf.streaming.trace)
@@ -141,6 +143,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self._removed = False
         # step state
         self._step_id = 0
+        self._forward_t0 = time.perf_counter()
         self._phase = "idle"  # "forward" | "backward" | "idle"
         self._grad_step = False
         self._stage = -1
@@ -155,7 +158,11 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
 
         # ---- phase 0: the activation engine first: its checks (NVMe directory, ...) fail before the model is touched
         if activation_engine is None:
-            activation_engine = ActivationEngine(plan, device, nvme_dir=nvme_dir, param_packer=self, pin_memory=pin)
+            # a weak proxy: the engine must not keep the handle alive (a handle <-> engine cycle kept every host
+            # store, page-locked on CUDA, until a full garbage collection; Note: [remove() frees the host store])
+            activation_engine = ActivationEngine(
+                plan, device, nvme_dir=nvme_dir, param_packer=weakref.proxy(self), pin_memory=pin
+            )
         self.activations = activation_engine
         # the training state of the units in plan.state_nvme lives on NVMe (lazytrain_hf.streaming.nvmestate)
         self.nvme_state: NvmeState | None = None
@@ -170,6 +177,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 self.trace,
                 block_size=int(state_nvme.get("block_size", 256)),
                 min_8bit_size=int(state_nvme.get("min_8bit_size", 4096)),
+                pin_memory=pin,
             )
             wanted = set(plan.state_nvme)
             self.store.no_grad_buffer = set(wanted)  # their gradients live in their state files
@@ -190,6 +198,10 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 self.nvme_state.close()
             raise
         self.store.on_add = None
+        # Note: [Backward runs on another thread] (a test profile of the simulation)
+        self._autograd_thread = self.engine.simulated and threads.simulate_autograd_thread()
+        if self._autograd_thread:
+            threads.install_autograd_thread()
 
         # ---- phase 4: hooks ----
         for st in self._layers:
@@ -304,6 +316,9 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         else:
             self._release(i)
         if i == self.num_layers - 1:
+            if self.engine.simulated:
+                # Note: [Every background worker stalls for longer than a forward] in lazytrain_hf/streams.py
+                streams.note_forward(time.perf_counter() - self._forward_t0)
             self._run_stages(self.num_layers)  # stage H starts
         return output
 
@@ -441,6 +456,17 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.store.layers.clear()
         self.sq_norms.clear()
         self._callbacks.clear()
+        # Note: [remove() frees the host store]
+        #     Nothing the handle holds may point back at it once removed: the activation engine gets a weak proxy
+        #     of it, and the guards a trainer installed (its bound methods; the trainer holds the handle) are
+        #     dropped here. The host store (page-locked on CUDA) is then freed when the last reference to the
+        #     handle goes, not at the next full garbage collection. Test:
+        #     tests/test_cuda_semantics_grad.py::test_remove_leaves_no_reference_cycle.
+        self.fetch_guard = self.resident_guard = self.fetch_ready = None
+        self.grad_reducer = self.host_grad_reducer = None
+        self.last_micro_batch = True
+        if self._autograd_thread:
+            threads.uninstall_autograd_thread()
         self._removed = True
         _ATTACHED.discard(self.model)
 
@@ -500,7 +526,8 @@ def attach(
                 Every fp32 parameter is computed in bf16: the host store's compute copy (what slots receive) and
                 resident parameters on the device are bf16, the fp32 masters are the parameters' own fp32 values
                 (streamed: the store's master; resident: `StreamHandle.resident_fp32`), and `remove()` gives each
-                trainable parameter its fp32 master back (a frozen one its bf16 value in fp32). The model then runs
+                trainable parameter its fp32 master back (a frozen one its own
+                original tensor: Note: [A frozen parameter keeps its own values] in store.py). The model then runs
                 as a bf16-loaded model does, with fp32 masters for the optimizer.
 
     Returns:
@@ -513,7 +540,7 @@ def attach(
             "attach(model=...): this model already has a streaming executor attached; call handle.remove() first."
         )
     root = hf_root(model)
-    models.get_spec(root)  # ValueError listing the supported model types
+    models.check_causal_lm(root)  # ValueError listing the supported model types / classes
     # transformers renamed the property (is_gradient_checkpointing warns from 5.x on); read whichever exists.
     ckpt_attr = "is_activation_checkpointing" if hasattr(type(root), "is_activation_checkpointing") else None
     if getattr(root, ckpt_attr or "is_gradient_checkpointing", False):

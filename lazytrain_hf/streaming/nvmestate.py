@@ -70,6 +70,10 @@ from ..activations.tiers import aligned, round_up
 from ..optim.kernels import AdamWScalars, adamw8bit_step, adamw32_step
 from ..optim.quant import Quantized8bit, dynamic_lookup, num_blocks
 from ..units import format_bytes
+
+# read_committed and update_bytes are public names of this module too (planner, tests and benchmarks import them here)
+from .statefiles import MANIFEST, gather_scales, read_committed, update_bytes  # noqa: F401
+from .statewindows import WindowPool
 from .store import poisoned
 
 IO_ALIGN = _io.IO_ALIGN
@@ -77,7 +81,6 @@ IO_ALIGN = _io.IO_ALIGN
 # size up to 4096; each chunk's block scales have a slot of their own, `IO_ALIGN`-aligned. Read when a unit is laid
 # out (`NvmeState.add_unit`), which fixes it for that unit.
 CHUNK_ELEMS = 1 << 22
-MANIFEST = "manifest.json"
 BUILD_WINDOW = 64 << 20  # bytes of the window a unit's state is written through when it is moved to its file
 _DIR_PREFIX = "lazytrain-state_"
 _DIR_RE = re.compile(r"^lazytrain-state_(?P<host>[0-9a-f]{8})_(?P<pid>\d+)_(?P<start>\d+)_")
@@ -175,9 +178,14 @@ class NvmeState:
         block_size, min_8bit_size: the optimizer's 8-bit layout (`HybridAdamW8bit`); checked against it in `bind`.
         io_mode: ``"auto"`` (``O_DIRECT`` where the filesystem takes it, else fdatasync + DONTNEED), ``"direct"``,
             ``"fadvise"``.
+        pin_memory: the fetch and gradient windows, which lanes copy from and to, are registered
+            (`lazytrain_hf.streaming.statewindows`; `streams.pin_host_memory`).
     """
 
-    def __init__(self, root: str, trace, block_size: int = 256, min_8bit_size: int = 4096, io_mode: str = "auto"):
+    def __init__(
+        self, root: str, trace, block_size: int = 256, min_8bit_size: int = 4096, io_mode: str = "auto",
+        pin_memory: bool = False,
+    ):  # fmt: skip
         root = _io.check_dir(root, "state_nvme_dir")
         if block_size & (block_size - 1) or not 16 <= block_size <= 4096:
             raise ValueError(f"optim_block_size={block_size} must be a power of two in [16, 4096].")
@@ -198,7 +206,9 @@ class NvmeState:
         self.step = 0
         self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-r")
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-w")
-        self._held: deque = deque()  # (event, window) of asynchronous copies still reading a fetch window
+        self._held: deque = deque()  # (event, window or its PinnedBlock) of copies still reading a fetch window
+        self._windows = WindowPool(pin_memory, IO_ALIGN)  # registered fetch and gradient windows
+        self._leased: dict[int, Any] = {}  # address -> PinnedBlock of fetch windows handed out, before `hold`
         self._lock = threading.Lock()
         self._source = None  # the DiskSource of parameters left on disk by remove() (`leave_on_disk`)
         self._in_pass = False  # an optimizer pass wrote some unit since the last commit (it failed if it stays so)
@@ -346,12 +356,24 @@ class NvmeState:
         with torch.no_grad():
             for e in ls.entries:
                 e.param.data = ls.compute_views[e.name]
+        ls.release_pinned()  # unregistered, then freed (Note: [Unregister before free] in lazytrain_hf/pinned.py)
         self._write_manifest()
 
     # ------------------------------------------------------------------ weight fetches
     def read_compute(self, key: int, what: str = "fetch") -> torch.Tensor:
-        """The unit's compute copy read into a fresh aligned host window (uint8, its ``compute_bytes``)."""
-        return self._compute_window(key, what)[: self.units[key].compute_bytes]
+        """The unit's compute copy read into a host window (uint8, its ``compute_bytes``): a registered one from the
+        pool when pinned (the fetch copies it asynchronously; `hold` hands it back), else a fresh aligned one."""
+        u = self.units[key]
+        if not self._windows.pin:
+            return self._compute_window(key, what)[: u.compute_bytes]
+        self._reap_held(block=False)
+        block = self._windows.get(u.compute_bytes)
+        self.trace.transfer("nvme_read", u.compute_bytes, "uint8", key, what)
+        self._pread(u, block.tensor, u.compute_bytes, 0)
+        win = block.tensor[: u.compute_bytes]
+        with self._lock:
+            self._leased[win.data_ptr()] = block
+        return win
 
     def _compute_window(self, key: int, what: str) -> torch.Tensor:
         u = self.units[key]
@@ -364,31 +386,45 @@ class NvmeState:
     def hold(self, event: Any, window: torch.Tensor) -> None:
         """Keep ``window`` alive until the asynchronous copy reading it (``event``) completed."""
         with self._lock:
-            self._held.append((event, window))
+            self._held.append((event, self._leased.pop(window.data_ptr(), window)))
 
     def _reap_held(self, block: bool) -> None:
         with self._lock:
             while self._held and (block or self._held[0][0] is None or self._held[0][0].query()):
-                ev, _ = self._held.popleft()
+                ev, win = self._held.popleft()
                 if ev is not None and block:
                     ev.synchronize()
+                if not isinstance(win, torch.Tensor):
+                    self._windows.put(win)  # a pooled window: its copy read it
 
     # ------------------------------------------------------------------ gradients
-    def open_grad(self, key: int, ls, accumulate: bool) -> None:
+    def open_grad(self, key: int, ls, accumulate: bool, defer_read: bool = False) -> Any:
         """Point the unit's gradient accumulator (``ls.grad`` and its views) at a zeroed host window; with
-        ``accumulate`` the window first reads the gradient accumulated so far."""
+        ``accumulate`` the window first reads the gradient accumulated so far: now, or with ``defer_read`` by the
+        returned callable (run it before anything reads the window: the executor's host worker, in order before
+        the addition; None when there is nothing to read)."""
         u = self.units[key]
         nbytes = 4 * u.train_elems
-        win = aligned_empty(nbytes)
+        # registered when pinned: the D2H copy of a fresh gradient lands in it
+        block = self._windows.get(nbytes) if self._windows.pin else None
+        win = aligned_empty(nbytes) if block is None else block.tensor
+        read = None
         if accumulate:
-            self.trace.transfer("nvme_read", nbytes, torch.float32, key, "grad")
-            self._pread(u, win, nbytes, u.grad_off)
+
+            def read() -> None:
+                self.trace.transfer("nvme_read", nbytes, torch.float32, key, "grad")
+                self._pread(u, win, nbytes, u.grad_off)
+
+            if not defer_read:
+                read()
+                read = None
         else:
             win[:nbytes].zero_()  # alignment padding between parameters is part of the norm: zeros
         _rebind(ls.grad, win, 0, torch.Size([u.train_elems]))
         for e in ls.trainable_entries:
             _rebind(ls.grad_views[e.name], win, 4 * e.elem_offset, e.shape)
-        ls._grad_window = win
+        ls._grad_window, ls._grad_block = win, block
+        return read
 
     def close_grad(self, key: int, ls) -> None:
         """Write the gradient window back to the unit's file and release it."""
@@ -400,6 +436,13 @@ class NvmeState:
         _poison(ls.grad)
         for t in ls.grad_views.values():
             _poison(t)
+        block = ls.__dict__.pop("_grad_block", None)
+        if block is not None:
+            self._windows.put(block)
+
+    def window_bytes(self) -> int:
+        """Bytes of the registered windows (`statewindows.WindowPool`), free or in use."""
+        return self._windows.allocated_bytes
 
     def read_grads(self, key: int, ls) -> dict[str, torch.Tensor]:
         """Copies of the unit's accumulated gradients read from its file (the public gradient API)."""
@@ -605,7 +648,7 @@ class NvmeState:
             s = len(p.chunks()) * p.abs_slot
             w = aligned_empty(s)
             self._pread(u, w, s, getattr(p, what)[u.gen])
-            return _gather_scales(w[:s], p.chunks(), p.abs_slot, self.block_size)
+            return gather_scales(w[:s], p.chunks(), p.abs_slot, self.block_size)
         n, dt = {"master": (4 * p.numel, torch.float32), "m_codes": (p.numel, torch.uint8)}.get(
             what, (p.numel, torch.uint8)
         )
@@ -667,15 +710,18 @@ class NvmeState:
         """
         from .store import DISK_ATTR, DiskSource
 
+        # Note: [A frozen parameter keeps its own values] (store.py): a frozen parameter whose state file holds only
+        # its rounded compute copy gets its original back, in RAM or on disk where it was (its own DiskSource)
+        kept = ls.frozen_originals
         in_ram = [e for e in ls.entries if not e.from_disk]
         if in_ram:
-            vals = self.read_values([e.name for e in in_ram], restored=True)
+            vals = self.read_values([e.name for e in in_ram if e.name not in kept], restored=True)
             with torch.no_grad():
                 for e in in_ram:
-                    e.param.data = vals[e.name].to(e.orig_device)
+                    e.param.data = kept[e.name] if e.name in kept else vals[e.name].to(e.orig_device)
                     e.param.grad = None
         on_disk = [e for e in ls.entries if e.from_disk]
-        if on_disk and self._source is None:
+        if any(e.name not in kept for e in on_disk) and self._source is None:
             self._source = DiskSource(self._read_for_disk, f"state_nvme_dir {self.path}")
             weakref.finalize(self._source, _remove_dir, [u.fd for u in self.units.values()], self.path)
             self._handed_over = True
@@ -683,7 +729,7 @@ class NvmeState:
             p = e.param
             meta = torch.empty(e.shape, dtype=e.orig_dtype or e.dtype, device="meta")
             torch.utils.swap_tensors(p, torch.nn.Parameter(meta, requires_grad=p.requires_grad))
-            setattr(p, DISK_ATTR, (self._source, e.name))
+            setattr(p, DISK_ATTR, kept[e.name] if e.name in kept else (self._source, e.name))
             p.grad = None
 
     def _read_for_disk(self, names: list[str]) -> dict[str, torch.Tensor]:
@@ -726,22 +772,14 @@ class NvmeState:
         self._reap_held(block=True)
         self._reader.shutdown(wait=True)
         self._writer.shutdown(wait=True)
+        self._leased.clear()
+        self._windows.clear()
         for u in self.units.values():
             if u.fd >= 0:
                 with contextlib.suppress(OSError):
                     os.close(u.fd)
                 u.fd = -1
         shutil.rmtree(self.path, ignore_errors=True)
-
-
-def _gather_scales(region: torch.Tensor, chunks: list[tuple[int, int]], slot: int, block_size: int) -> torch.Tensor:
-    """The block scales of a tensor from its per-chunk slots (uint8 ``region``) as one fp32 tensor."""
-    parts = []
-    for a, b in chunks:
-        nb = num_blocks(b, block_size) - a // block_size
-        start = (a // (chunks[0][1] - chunks[0][0])) * slot if chunks else 0
-        parts.append(region.narrow(0, start, 4 * nb).view(torch.float32))
-    return torch.cat(parts).clone() if parts else torch.zeros(0)
 
 
 def _remove_dir(fds: list[int], path: str) -> None:
@@ -751,62 +789,9 @@ def _remove_dir(fds: list[int], path: str) -> None:
     shutil.rmtree(path, ignore_errors=True)
 
 
-def read_committed(path: str) -> dict[int, dict[str, dict[str, torch.Tensor]]]:
-    """The committed state in a state directory (`NvmeState.path`), independent of any process: per unit key, per
-    parameter, ``{"master", "m_codes", "m_abs", "v_codes", "v_abs"}`` (8-bit tensors; ``master`` only for the
-    others, whose moments live in RAM) and ``"step"`` (a 0-dim int64). Note: [The state on NVMe commits per
-    optimizer step]."""
-    with open(os.path.join(path, MANIFEST)) as f:
-        man = json.load(f)
-    out: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
-    for key, unit in man["units"].items():
-        g = unit["gen"]
-        with open(os.path.join(path, unit["file"]), "rb") as f:
-            per: dict[str, dict[str, torch.Tensor]] = {}
-            for p in unit["params"]:
-                arrays: dict[str, torch.Tensor] = {"step": torch.tensor(p["step"])}
-                spec = [("master", 4 * p["numel"], torch.float32)]
-                if p["q8"]:
-                    spec += [("m_codes", p["numel"], torch.uint8), ("v_codes", p["numel"], torch.uint8)]
-                for name, n, dt in spec:
-                    f.seek(p[name][g])
-                    arrays[name] = torch.frombuffer(bytearray(f.read(n)), dtype=torch.uint8).view(dt)
-                if p["q8"]:
-                    chunks = [(a, min(p["numel"], a + p["chunk"])) for a in range(0, p["numel"], p["chunk"])]
-                    for name in ("m_abs", "v_abs"):
-                        f.seek(p[name][g])
-                        raw = torch.frombuffer(bytearray(f.read(len(chunks) * p["abs_slot"])), dtype=torch.uint8)
-                        arrays[name] = _gather_scales(raw, chunks, p["abs_slot"], man["block_size"])
-                per[p["name"]] = arrays
-        out[int(key)] = per
-    return out
-
-
 def remove_stale_state_dirs(root: str) -> list[str]:
     """Remove the private state directories in ``root`` of processes of this host that are gone."""
     return _io.remove_stale_spill_dirs(root, _DIR_RE)
-
-
-def update_bytes(
-    tensors: list[tuple[int, Any, bool]],
-    compute_bytes: int,
-    block_size: int = 256,
-    min_8bit_size: int = 4096,
-) -> tuple[int, int]:
-    """``(bytes read, bytes written)`` of one `NvmeState.update_unit` of a unit whose streamed tensors are
-    ``[(numel, dtype, trainable)]``: per trainable tensor its master and gradient (and 8-bit codes and scales) in, its
-    master (and moments) out; the compute copy out, and in first when the unit has frozen tensors."""
-    read = write = 0
-    for n, _, t in tensors:
-        if not t:
-            continue
-        q = 2 * n + 8 * math.ceil(n / block_size) if n >= min_8bit_size else 0
-        read += 8 * n + q
-        write += 4 * n + q
-    write += compute_bytes
-    if any(not t for _, _, t in tensors):
-        read += compute_bytes
-    return read, write
 
 
 def state_file_bytes(

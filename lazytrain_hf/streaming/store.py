@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn as nn
 
+from .. import pinned
+
 # Every parameter starts at a multiple of 256 bytes inside the flat buffers and the device slots: enough for any
 # dtype view (`Tensor.view(dtype)` needs itemsize alignment), for vectorised CPU kernels (64 B) and for CUDA
 # (cudaMalloc gives 256 B alignment; some kernels assume 16 B).
@@ -111,35 +113,15 @@ def layer_layout(params: list[tuple[int, torch.dtype, bool]], compute_dtype: tor
 # Note: [Pinned blocks are registered, not cached]
 #     PyTorch's caching host allocator (`pin_memory=True`) rounds every block up to a power of two
 #     (`CachingHostAllocator.h`): a 300 MiB layer would take 512 MiB of page-locked memory. The store instead
-#     allocates each pinned buffer as ordinary pageable memory of its exact size and page-locks it in place with
-#     ``cudaHostRegister`` (unregistered when the buffer is freed), so the pinned bytes are exactly the layout's.
-#     `torch.Tensor.is_pinned()` is True for such memory and asynchronous copies treat it as pinned.
-class _Registered:
-    """Keeps a ``cudaHostRegister``-ed host tensor page-locked; unregisters it when collected (its `LayerStore` is
-    dropped: the buffer itself goes with it)."""
-
-    def __init__(self, t: torch.Tensor):
-        self.ptr = t.data_ptr()
-        self.nbytes = t.numel() * t.element_size()
-        err = torch.cuda.cudart().cudaHostRegister(self.ptr, self.nbytes, 1)  # cudaHostRegisterPortable, as torch
-        if int(err) != 0:
-            raise RuntimeError(f"cudaHostRegister of {self.nbytes} bytes failed (CUDA error {int(err)}).")
-
-    def __del__(self):
-        try:
-            torch.cuda.cudart().cudaHostUnregister(self.ptr)
-        except Exception:  # interpreter shutdown
-            pass
-
-
+#     allocates each pinned buffer at its exact size and page-locks it in place with ``cudaHostRegister``
+#     (`lazytrain_hf.pinned.PinnedBlock`), unregistered before the buffer is freed (Note: [Unregister before free] in
+#     lazytrain_hf/pinned.py), so the pinned bytes are exactly the layout's. `torch.Tensor.is_pinned()` is True for
+#     such memory and asynchronous copies treat it as pinned.
 def pinned_zeros(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Tensor:
     """A zero-filled host tensor of exactly ``n`` elements (zeros: alignment padding is copied along with the data
-    and must be defined), page-locked when ``pin``; its registration is appended to ``keep`` (Note: [Pinned blocks
-    are registered, not cached])."""
-    t = torch.zeros(n, dtype=dtype)
-    if pin and n:
-        keep.append(_Registered(t))
-    return t
+    and must be defined), page-locked when ``pin``; its `PinnedBlock` is appended to ``keep``, whose owner releases
+    it (Note: [Pinned blocks are registered, not cached])."""
+    return pinned.pinned_empty(n, dtype, pin, keep, "a host store buffer")
 
 
 class PinnedArena:
@@ -155,7 +137,7 @@ class PinnedArena:
         self.used = 0
 
     def __repr__(self) -> str:
-        return f"PinnedArena(nbytes={self.block.numel()}, used={self.used}, pinned={bool(self._pins)})"
+        return f"PinnedArena(nbytes={self.block.numel()}, used={self.used}, pinned={self._pins[0].pinned})"
 
     def carve(self, n: int, dtype: torch.dtype) -> torch.Tensor:
         """A zeroed view of ``n`` elements of ``dtype`` at the next `ALIGN_BYTES` boundary."""
@@ -283,7 +265,33 @@ class LayerStore:
     has_grad: bool = False
     aliased: bool = False
     layout: LayerLayout | None = None
+    # Note: [A frozen parameter keeps its own values]: name -> the original tensor, or (DiskSource, key) when on disk
+    frozen_originals: dict[str, object] = field(default_factory=dict, repr=False)
     _pins: list = field(default_factory=list, repr=False)  # Note: [Pinned blocks are registered, not cached]
+
+    def frozen_values(self) -> dict[str, torch.Tensor]:
+        """The original values of the frozen parameters whose compute copy is in another dtype, by name.
+
+        Note: [A frozen parameter keeps its own values]
+            With a compute copy in another dtype (``bf16=True`` on an fp32 model) the store holds a frozen
+            parameter only rounded (it has no fp32 master: nothing updates it). `remove()` must not give the
+            parameter that rounded copy back: frozen weights (a frozen layer, a PEFT base) are bit-identical after
+            `train()` and `evaluate()`. The store therefore keeps the parameter's original tensor (the resident
+            parameters' `resident_fp32` does the same), or, for a parameter left on disk, where to read it again.
+        """
+        out: dict[str, torch.Tensor] = {}
+        by_source: dict[int, tuple[DiskSource, dict[str, str]]] = {}
+        for name, orig in self.frozen_originals.items():
+            if isinstance(orig, torch.Tensor):
+                out[name] = orig
+            else:
+                source, key = orig
+                by_source.setdefault(id(source), (source, {}))[1][key] = name
+        dtypes = {e.name: e.orig_dtype for e in self.entries}
+        for source, names in by_source.values():
+            for key, value in source.read(list(names)).items():
+                out[names[key]] = value.to(dtypes[names[key]])  # as `add_layer` cast it on the way in
+        return out
 
     @property
     def nbytes(self) -> int:
@@ -299,6 +307,13 @@ class LayerStore:
         master = 0 if self.master is None or self.aliased else self.master.numel() * 4
         grad = 0 if self.grad is None else self.grad.numel() * 4
         return {"master": master, "compute": self.compute_bytes.numel(), "grad": grad}
+
+    def release_pinned(self) -> None:
+        """Unregister and drop this layer's pinned blocks (Note: [Unregister before free] in lazytrain_hf/pinned.py);
+        what still views them stays valid, as pageable memory."""
+        for block in self._pins:
+            block.release()
+        self._pins.clear()
 
     def sync(self) -> None:
         """Refresh the compute copy from the fp32 master (after the optimizer changed the master).
@@ -342,10 +357,10 @@ class HostStore:
         self.arena = PinnedArena(nbytes, self.pin_memory)
         return self.arena
 
-    def _pinned(self, n: int, dtype: torch.dtype, pins: list) -> torch.Tensor:
-        if self.arena is not None:
+    def _pinned(self, n: int, dtype: torch.dtype, pins: list, pin: bool = True) -> torch.Tensor:
+        if self.arena is not None and pin:
             return self.arena.carve(n, dtype)
-        return pinned_zeros(n, dtype, self.pin_memory, pins)
+        return pinned_zeros(n, dtype, self.pin_memory and pin, pins)
 
     def __repr__(self) -> str:
         hb = self.host_bytes()
@@ -399,14 +414,16 @@ class HostStore:
                 )
             )
         pins: list = []
+        # a unit whose state moves to NVMe (`on_add`) leaves RAM at once: pinning its buffers would buy nothing
+        pin = index not in self.no_grad_buffer
         n_train, aliased = layout.train_elems, layout.aliased
         if aliased:
-            compute = self._pinned(layout.compute_bytes // 4, torch.float32, pins)
+            compute = self._pinned(layout.compute_bytes // 4, torch.float32, pins, pin)
             compute_bytes = compute.view(torch.uint8)
             master = compute.narrow(0, 0, n_train) if n_train else None
         else:
             single = {e.dtype for e in entries}
-            compute_bytes = self._pinned(layout.compute_bytes, torch.uint8, pins)
+            compute_bytes = self._pinned(layout.compute_bytes, torch.uint8, pins, pin)
             compute = compute_bytes.view(next(iter(single))) if len(single) == 1 else None
             # the masters are read and written by the host optimizer only: pageable
             master = torch.zeros(n_train, dtype=torch.float32) if n_train else None
@@ -468,6 +485,9 @@ class HostStore:
                         if index in self.no_grad_buffer
                         else grad.narrow(0, e.elem_offset, e.numel).view(e.shape)
                     )
+                if not e.trainable and e.orig_dtype is not None:
+                    # Note: [A frozen parameter keeps its own values]
+                    ls.frozen_originals[e.name] = ds if ds is not None else e.param.data
                 # the parameter's own storage is released now (same values); a meta parameter becomes a host one
                 target = cv if e.orig_dtype is None else ls.master_views.get(e.name)
                 if ds is not None:

@@ -22,6 +22,25 @@ from .completion import _Boundary
 EMBED_KEY = -1
 
 
+def inputs_to_device(args: tuple, kwargs: dict, device: torch.device) -> tuple[tuple, dict]:
+    """Every tensor among ``args`` and ``kwargs`` (and inside plain lists, tuples and dicts there) on ``device``.
+
+    With ``stream_embeddings`` the model's first parameter is the embedding's host copy while unbound, so
+    ``model.device`` reads as the host and ``generate()`` builds its inputs there (input ids, attention mask, position
+    ids, cache positions): all of them go to the compute device before the forward."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.to(device) if x.device != device else x
+        if type(x) in (list, tuple):
+            return type(x)(move(v) for v in x)
+        if type(x) is dict:
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    return move(args), move(kwargs)
+
+
 class HeadUnits:
     """`StreamHandle`'s embedding and head units (see the module docstring)."""
 
@@ -52,8 +71,10 @@ class HeadUnits:
               input gradient computed), or right away when no backward goes through it (evaluate, generate);
             - tied embeddings (``lm_head.weight is embed_tokens.weight``): the shared parameter belongs to the
               embedding unit only (one master, one accumulator); the head stage binds that unit again and releases
-              it with the head. Autograd sums the two uses' gradients before the parameter's accumulation, so the
-              head's part waits on the device until the embedding's backward, exactly as with resident weights.
+              it with the head. Between the two uses the weight's data moved to the host and back, which on CUDA
+              gives it a second gradient accumulator: the head's part is accumulated into ``.grad`` first and waits
+              on the device until the lookup's part is added, and the unit completes on the sum (Note: [A parameter
+              may have several gradient accumulators] in completion.py).
         """
         root = self.root
         embed, norm, head = models.embed_tokens(root), models.final_norm(root), models.lm_head(root)
@@ -85,6 +106,8 @@ class HeadUnits:
             streamed_ids.update(id(p) for p in params)
 
     def _install_unit_hooks(self) -> None:
+        # generate() puts its inputs on `model.device`, the embedding's host copy while unbound
+        self._hooks.append(self.root.register_forward_pre_hook(self._inputs_pre_forward, with_kwargs=True))
         self._hooks.append(self._embed_module.register_forward_pre_hook(self._embed_pre_forward, with_kwargs=True))
         self._hooks.append(
             self._embed_module.register_forward_hook(self._embed_post_forward, with_kwargs=True, always_call=True)
@@ -97,6 +120,9 @@ class HeadUnits:
             for p in st.trainable.values():
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_grad_hook(key)))
 
+    def _inputs_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+        return inputs_to_device(args, kwargs, self.device)
+
     def _embed_pre_forward(self, module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         self._begin_step()
         self._embed_began = True
@@ -104,12 +130,13 @@ class HeadUnits:
         self._bind(self.embed_key)
         if self._grad_step and torch.is_grad_enabled() and st.trainable:
             st.expected = set(st.trainable)
-        # generate() puts input ids on `model.device`, the first parameter's: the host copy while unbound
-        if args and isinstance(args[0], torch.Tensor) and args[0].device != self.device:
-            args = (args[0].to(self.device), *args[1:])
-        return args, kwargs
+        # the embedding called on its own (not through the model's forward)
+        return inputs_to_device(args, kwargs, self.device)
 
     def _embed_post_forward(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        st = self._all[self.embed_key]
+        if st.expected is not None:
+            self._note_accumulators(output, st)  # Note: [A parameter may have several gradient accumulators]
         self._account()
         self._release(self.embed_key)
 
@@ -145,6 +172,10 @@ class HeadUnits:
         needs_bwd = st.expected is not None and isinstance(output, torch.Tensor) and output.requires_grad
         self._account()
         if needs_bwd:
+            if self._tied:
+                # the lm_head's use of the tied weight: a second accumulator on CUDA (Note: [A parameter may have
+                # several gradient accumulators] in completion.py)
+                self._note_accumulators(output, self._all[self.embed_key])
             return
         st.expected = None
         st.completed = True

@@ -6,4 +6,7 @@
   weights, verification before resume, the model card section).
 - `updater`: `LayerwiseUpdater`, the optimizer step of a streamed model, layer by layer, overlapping the next
   forward.
+- `contract`: what of the user's set-up is honoured and what is refused at construction (issue #28): optimizer
+  paths, trainer classes, model heads, a user's forward, datasets without a length.
+- `dataparallel`: the once-per-step mean of a layer's gradients over the data-parallel ranks.
 """

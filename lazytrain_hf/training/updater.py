@@ -16,7 +16,9 @@ import threading
 
 import torch
 
+from .. import pinned
 from ..streams import SimDelay, simulate_async
+from ..threads import background_worker, on_step_path
 
 
 class LayerwiseUpdater:
@@ -112,12 +114,14 @@ class LayerwiseUpdater:
         self._where: dict[int, tuple[int, int]] = {}
         # LAZYTRAIN_SIMULATE_ASYNC=1: the background update lags by seeded random delays (lazytrain_hf.streams)
         self._delay = SimDelay("optimizer") if overlap and simulate_async() else None
-        # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad)
-        self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        # Note: [Resident gradients cross asynchronously]: per resident parameter, (staging in its dtype, fp32 grad,
+        # the staging's registered block)
+        self._res_bufs: dict[str, tuple[torch.Tensor, torch.Tensor, pinned.PinnedBlock]] = {}
         # Note: [Resident parameters are uploaded from pinned staging]: per resident parameter, its staging buffer
-        # in the parameter's dtype and the event of the last upload from it
+        # in the parameter's dtype, the event of the last upload from it and the buffer's registered block
         self._up_bufs: dict[str, list] = {}
-        self._uploads: list = []  # events of the last run's resident uploads (the compute side waits for them)
+        self._uploads: list = []
+        self._compute_ev = None  # the training thread's compute event of the last `run()`  # events of the last run's resident uploads (the compute side waits for them)
         handle.fetch_guard = self.wait_layer
         handle.fetch_ready = self.layer_updated  # Note: [A prefetch never waits for the optimizer] (scheduler.py)
         handle.resident_guard = self.wait_resident
@@ -156,6 +160,10 @@ class LayerwiseUpdater:
         self.wait_all()
         self.handle.synchronize()  # Note: [Update before fetch]: the host accumulators are complete
         self.handle.mark_resident_released()
+        # the optimizer thread's current stream is not the training thread's: its uploads are ordered after this
+        # event, recorded here on the training thread (Note: [Backward runs on another thread] in threads.py)
+        lanes = self.handle.engine.lanes
+        self._compute_ev = lanes.compute_event() if lanes is not None else None
         opt = self.optimizer
         frozen = [{k: v for k, v in g.items()} for g in opt.param_groups]
         trace = self.handle.trace
@@ -188,7 +196,9 @@ class LayerwiseUpdater:
         self._resident_done.clear()
         work = (frozen, resident, layers, clip_coef, step)
         if self.overlap:
-            self._thread = threading.Thread(target=self._work, args=work, name="lazytrain-optimizer", daemon=True)
+            self._thread = threading.Thread(
+                target=self._background_work, args=work, name="lazytrain-optimizer", daemon=True
+            )
             self._thread.start()
         else:
             self._work(*work)
@@ -205,10 +215,12 @@ class LayerwiseUpdater:
             return None
         bufs = self._res_bufs.get(name)
         if bufs is None or bufs[0].shape != g.shape or bufs[0].dtype != g.dtype:
-            staging = torch.empty(g.shape, dtype=g.dtype, pin_memory=self.handle.engine.is_cuda)
+            # exact-size and registered (Note: [Pinned blocks are registered, not cached] in streaming/store.py)
+            block = pinned.PinnedBlock(g.numel() * g.element_size(), True, "resident gradient staging")
+            staging = block.tensor.view(g.dtype).view(g.shape)
             host32 = staging if g.dtype == torch.float32 else torch.empty(g.shape, dtype=torch.float32)
-            bufs = self._res_bufs[name] = (staging, host32)
-        staging, host32 = bufs
+            bufs = self._res_bufs[name] = (staging, host32, block)
+        staging, host32 = bufs[:2]
         lane = lanes["d2h"]
         lane.hold(g)  # Note: [Gradient memory outlives its D2H copy] in streaming/engine.py
         ev = lane.copy(staging, g.detach(), after_compute=True)
@@ -219,7 +231,7 @@ class LayerwiseUpdater:
         if pending is None:
             return
         ev, staging, host32 = pending
-        if threading.current_thread() is threading.main_thread():
+        if on_step_path():
             self.handle.trace.host_sync("resident gradient D2H")  # only without overlap
         ev.synchronize()
         if host32 is not staging:
@@ -235,16 +247,17 @@ class LayerwiseUpdater:
             return None
         entry = self._up_bufs.get(name)
         if entry is None or entry[0].shape != p.shape or entry[0].dtype != p.dtype:
-            entry = self._up_bufs[name] = [torch.empty(p.shape, dtype=p.dtype, pin_memory=p.is_cuda), None]
-        buf, last = entry
+            block = pinned.PinnedBlock(p.numel() * p.element_size(), True, "resident upload staging")
+            entry = self._up_bufs[name] = [block.tensor.view(p.dtype).view(p.shape), None, block]
+        buf, last = entry[:2]
         if last is not None:
-            if threading.current_thread() is threading.main_thread():
+            if on_step_path():
                 self.handle.trace.host_sync("resident upload staging")  # only without overlap
             last.synchronize()  # the previous step's upload has read the staging buffer (long done)
         buf.copy_(master)  # the conversion to the compute dtype runs on the host
         # after the compute queued so far (the step's backward, which read the parameter): the next forward only
         # starts once `wait_resident` returned, so nothing of it is queued yet
-        ev = lanes["h2d"].copy(p.data, buf, after_compute=True)
+        ev = lanes["h2d"].copy(p.data, buf, after=(self._compute_ev,))
         entry[1] = ev
         return ev
 
@@ -264,6 +277,10 @@ class LayerwiseUpdater:
             gi, j = self._where[id(p)]
             opt._update(p, frozen[gi], j, 1.0 if clip is None else float(clip), None if outs is None else outs[k])
         return written
+
+    def _background_work(self, *work) -> None:
+        with background_worker():  # its host waits do not stall the step
+            self._work(*work)
 
     def _work(self, frozen, resident, layers, clip, step) -> None:
         trace = self.handle.trace
