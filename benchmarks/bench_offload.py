@@ -3,7 +3,7 @@
 NVMe tier: saved tensors of one "layer" go through the engine's saved-tensor hooks (copy into a staging buffer,
 background write to the spill file; reload by a background read into a fresh tensor), once per spill I/O mode
 (``direct``: O_DIRECT, ``fadvise``: fdatasync + DONTNEED, ``buffered``: the page cache; See Note: [Spilled bytes
-leave RAM] in lazytrain_hf/activations/nvme.py), next to the planner's NVMe probe (`hardware._measure_nvme`: write +
+leave RAM] in lazytrain_hf/activations/nvme.py), next to the planner's NVMe probe (`hardware.measure_nvme`: write +
 fsync, DONTNEED, sequential read) on the same directory and bytes, and a raw buffered ``write``/``readinto``. The
 ``resident`` column is the share of the spill files' bytes in the page cache once the writes completed (mincore).
 CPU tier: the engine's copy into its host buffer pool (and back) vs a plain ``copy_`` into preallocated buffers; on
@@ -169,8 +169,8 @@ def main() -> None:
     GB = 1e9
 
     # the planner's probe on the same directory and bytes: (read GB/s, write GB/s) per repetition
-    hardware._measure_nvme(root, total)
-    probe = [hardware._measure_nvme(root, total)[:2] for _ in range(args.reps)]
+    hardware.measure_nvme(root, total)
+    probe = [hardware.measure_nvme(root, total)[:2] for _ in range(args.reps)]
     probe_r = statistics.median(p[0] for p in probe)
     probe_w = statistics.median(p[1] for p in probe)
 

@@ -12,11 +12,14 @@ import argparse
 import json
 import os
 import sys
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from .units import format_bytes, parse_bytes
+
+_AFTER_SEARCH_S = 10.0  # what `plan` does after an --auto-batch-size search (baselines' batch searches, replay)
 
 if TYPE_CHECKING:
     from .planner.hardware import HardwareProfile
@@ -97,7 +100,13 @@ def make_parser() -> argparse.ArgumentParser:
     g.add_argument("--batch-size", type=int, default=None, help="micro-batch size (default 1)")
     g.add_argument("--auto-batch-size", action="store_true", help="search the micro-batch size with the best tokens/s")
     p.add_argument("--max-batch-size", type=int, default=256, help="upper end of batch searches")
-    p.add_argument("--time-limit", type=float, default=30.0, help="MILP solver seconds")
+    p.add_argument("--time-limit", type=float, default=30.0, help="MILP solver seconds (one solve)")
+    p.add_argument(
+        "--search-time-limit",
+        type=float,
+        default=60.0,
+        help="wall-clock seconds of a `plan --auto-batch-size` run (the batch search's solves share them)",
+    )
     p.add_argument("--gap", type=float, default=0.01, help="relative MIP gap")
     p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
     p.add_argument("--save", type=_output_path("--save", "plan.json"), default=None, help="write the plan JSON here")
@@ -149,7 +158,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner.costmodel import CostModel
     from .planner.simulate import draw_timeline, simulate
 
+    t_cmd = time.perf_counter()
     _validate_common(args)
+    if args.search_time_limit <= 0:
+        raise ValueError(f"--search-time-limit={args.search_time_limit} must be > 0 seconds (e.g. 60).")
     hw = _profile(args)
     gpu = args.gpu_budget or hw.default_gpu_budget()
     host = hw.default_host_budget() if args.host_budget is None else args.host_budget
@@ -169,6 +181,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
             time_limit=args.time_limit,
             gap=args.gap,
             solver=args.solver,
+            # the whole command within --search-time-limit: less what loading the config took, less the baseline
+            # comparisons after the search
+            search_time_limit=max(1.0, args.search_time_limit - (time.perf_counter() - t_cmd) - _AFTER_SEARCH_S),
         )
     cfg, _ = milp._resolve_config(args.model)
     cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=plan.model)
@@ -193,7 +208,9 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     if args.save:
         plan.to_json(args.save)
-    solver = {k: plan.solver.get(k) for k in ("status", "seconds", "gap")}
+    # the fallback / kept / presolve keys say why the plan is not the solver's own, or how presolve went
+    keys = ("status", "seconds", "gap", "presolve", "stopped", "fallback", "kept")
+    solver = {k: plan.solver.get(k) for k in keys if k in plan.solver or k in ("status", "seconds", "gap")}
     if args.json:
         out = {
             "plan": plan.to_dict(),

@@ -47,7 +47,9 @@ def test_plan_json_keys(capsys, tmp_path):
         assert v is None or set(v) == set(PREDICTION_KEYS)
     assert set(data["max_batch_size"]) == {"milp", *BASELINES}
     assert data["max_batch_size"]["milp"] >= max(data["max_batch_size"].values())
-    assert set(data["solver"]) == {"status", "seconds", "gap"}
+    # status, time and proven gap always; how presolve went and why a plan is not the solver's own when they apply
+    assert {"status", "seconds", "gap"} <= set(data["solver"])
+    assert set(data["solver"]) <= {"status", "seconds", "gap", "presolve", "stopped", "fallback", "kept"}
     assert len(data["plan"]["layers"]) == 36
     assert (tmp_path / "t.png").read_bytes()[:4] == b"\x89PNG"
 
@@ -200,3 +202,11 @@ def test_gpu_budget_above_the_device_memory_is_refused(capsys, no_solve):
     assert code == 2
     for w in ("--gpu-budget=500.00GiB", "h800", "80.00GiB", "at most --gpu-budget 80.00GiB"):
         assert w in err, (w, err)
+
+
+def test_bad_search_time_limit_is_refused(capsys, no_solve):
+    code, _, err = run(
+        capsys, "plan", "--model", "qwen3-8b", "--hardware", "h800", "--seq-len", "256", "--auto-batch-size",
+        "--search-time-limit", "0",
+    )  # fmt: skip
+    assert code == 2 and "--search-time-limit=0.0 must be > 0 seconds" in err, err

@@ -14,7 +14,7 @@ import torch
 from conftest import tiny_model
 from test_streaming import assert_grads_equal, padded_batch, plain_grads
 
-from lazytrain_hf import models
+from lazytrain_hf import models, pinned
 from lazytrain_hf.planner.plan import Plan
 from lazytrain_hf.streaming import attach, chunked_causal_lm_loss
 from lazytrain_hf.streams import set_param_data
@@ -395,7 +395,8 @@ def test_zero_grad_while_the_optimizer_thread_uploads(async_engine):
     engine = TransferEngine(torch.device("cpu"))
     engine.add_pool("layer", 256, 1)
     slot = engine.acquire("layer", urgent=False)
-    src = torch.zeros(64, dtype=torch.uint8)
+    block = pinned.PinnedBlock(64, True, "test upload source")  # lane copies need pinned host memory
+    src = block.tensor
     inserted = threading.Event()
 
     class RacingEvent(SimEvent):
@@ -415,6 +416,7 @@ def test_zero_grad_while_the_optimizer_thread_uploads(async_engine):
     assert inserted.wait(10)
     engine.wait_host_reads(7)
     engine.close()
+    block.release()
 
 
 def test_first_fill_of_a_slot_waits_for_compute(async_engine):

@@ -106,3 +106,25 @@ def test_simulate_rejects_bad_inputs():
         simulate(plan, small)
     with pytest.raises(ValueError, match="baseline='zero3'"):
         baselines.make_baseline("zero3", cm)
+
+
+def test_simulator_queues_a_stage_in_the_executors_order():
+    """Reloads issued three stages ahead share a stage with the next layer's backward fetch: the executor issues
+    them by the stage that needs them (``tests/test_trace.py::test_issue_order_follows_the_schedule`` checks
+    `schedule.step_transfers` against its trace), so the fetch for the very next stage goes first; the simulator's
+    H2D lane runs them in that order, not in layer order (which put the far reload first)."""
+    from lazytrain_hf.planner import schedule
+    from lazytrain_hf.planner.plan import Plan
+
+    cm = CostModel.from_config(get_config("qwen2.5-3b"), "rtx3090", 1024, 1)
+    plan = Plan.default(cm.num_layers, [lc.kind for lc in cm.layers])
+    for lp in plan.layers:
+        lp.policy, lp.reload_ahead = "offload_cpu", 3
+    L = cm.num_layers
+    transfers = schedule.step_transfers(plan, schedule.sizes_from_cost_model(cm))
+    s = 2 * L - 10  # B_10 issues the fetch for B_9 and the reload for B_7
+    in_stage = [(t.what, t.layer) for t in transfers if t.stage == s and t.lane == "h2d"]
+    assert in_stage == [("fetch_bwd", 9), ("reload", 7)], in_stage
+    sim = simulate(plan, cm)
+    order = [label for _, _, label in sorted(sim.lanes["h2d"]) if label in ("fetch B9", "reload 7")]
+    assert order == ["fetch B9", "reload 7"], order

@@ -89,6 +89,41 @@ def test_defaults_are_embedded_and_cpu_friendly(recipe):
     assert training_args.push_to_hub is False
 
 
+def test_embedded_default_plan_streams_offloads_and_recomputes(recipe, tmp_path):
+    """The README's main job (no flags): its plan streams layers, offloads activations to the CPU and recomputes, and
+    the timeline picture is drawn (the same plan every run: bundled `cpu` profile, cost-model layer times)."""
+    from lazytrain_hf import LazyTrainer
+    from lazytrain_hf.data import CausalLMCollator
+
+    script_args, training_args = recipe.parse_args(["--output_dir", str(tmp_path)])
+    for key, value in recipe.EMBEDDED_PLANNER_DEFAULTS.items():
+        assert getattr(training_args, key) == (70 * 2**20 if key == "planner_gpu_budget" else value), key
+    tokenizer = recipe.build_embedded_tokenizer()
+    train_rows, _ = recipe.load_splits("embedded", None, script_args.num_eval_samples, seed=training_args.seed)
+    dataset = recipe.format_dataset(train_rows, tokenizer, script_args.max_seq_length, script_args.overlong)
+    trainer = LazyTrainer(
+        model=recipe._load_model(script_args, tokenizer, training_args.seed),
+        args=training_args,
+        train_dataset=dataset,
+        data_collator=CausalLMCollator(tokenizer.pad_token_id),
+        processing_class=tokenizer,
+    )
+    plan = trainer.make_plan()
+    layers = plan.layers
+    assert plan.source == "milp" and (plan.micro_batch_size, plan.seq_len) == (32, 87), plan.table()
+    assert any(not lp.resident for lp in layers), plan.table()  # streamed weights
+    assert any(lp.tier == "cpu" for lp in layers), plan.table()  # activations (or a recompute input) on the CPU
+    assert any(lp.policy == "recompute" for lp in layers), plan.table()
+    assert re.fullmatch(r"[1-4]/4 layers streamed, [1-4] offload to cpu, [1-4] recomputed", recipe.plan_summary(plan))
+    png = tmp_path / recipe.TIMELINE_FILE
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    # a flag given wins over the embedded planner defaults
+    _, given = recipe.parse_args(["--planner_gpu_budget", "1GiB", "--planner_hardware", "auto"])
+    assert given.planner_gpu_budget == 2**30 and given.planner_hardware == "auto" and given.planner_warmup_steps == 0
+    _, real = recipe.parse_args(["--model_name_or_path", "Qwen/Qwen2.5-3B"])
+    assert real.planner_gpu_budget is None and real.planner_hardware == "auto" and real.planner_warmup_steps == 2
+
+
 def test_sample_command_line(recipe, tmp_path):
     argv = shlex.split(
         f"--model_name_or_path Qwen/Qwen2.5-3B --dataset_name data/mm.jsonl --max_seq_length 1024 "
@@ -159,6 +194,9 @@ def _check_run(recipe, tmp_path, capsys, *extra):
         assert 0.0 <= metrics[key] <= 1.0
     assert metrics["global_step"] == 3 and metrics["num_eval_samples"] == 4 and metrics["num_train_samples"] == 48
     assert re.search(r"exact match before training: \d+\.\d\d% on 4 eval problems", out), out
+    if "--stream_enabled" not in extra:
+        assert re.search(r"the plan it trained with \(\d/4 layers streamed, \d offload to cpu, \d recomputed\)", out)
+        assert f"timeline of one step, as the simulator replays the plan: {tmp_path / 'run'}" in out, out
     summary = [line for line in out.splitlines() if line.startswith("[qwen_metamath] model=")]
     assert len(summary) == 1, out
     assert re.search(r"exact_match before=\d+\.\d\d% after=\d+\.\d\d% \(n=4\)", summary[0]), summary[0]

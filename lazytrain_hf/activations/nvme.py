@@ -34,13 +34,14 @@ import errno
 import hashlib
 import mmap
 import os
+import queue
 import re
 import shutil
 import socket
 import tempfile
 import threading
 from collections import deque
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import Any
 
 import torch
@@ -260,6 +261,67 @@ class _SpillFile:
         self.sealed = False  # the layer's forward is over: no more appends
 
 
+class IOThreads:
+    """A fixed set of daemon threads running submitted calls, each answered by a `concurrent.futures.Future`.
+
+    Note: [Spill I/O threads never block exit]
+        `ThreadPoolExecutor` starts its workers lazily inside `submit`, as non-daemon threads joined at interpreter
+        exit. A KeyboardInterrupt (Ctrl-C) raised in the main thread while `Thread.start()` waits for a new worker
+        to run leaves that worker outside the executor's bookkeeping, blocked on its queue: the interpreter's exit
+        joins it for ever, before the exit handlers that remove the spill files run (seen as a training process
+        that ignores Ctrl-C during a backward's first reloads). These threads are all started up front, are
+        daemons, so nothing they do can keep the process alive, and `shutdown` (called by `SpillDir.cleanup`, also
+        at exit, Note: [Spill files never outlive the process]) lets them finish the call in hand and joins them
+        before any file is removed. Test: ``tests/test_activations_process.py``.
+
+    Args:
+        workers: number of threads (calls run in submission order on one thread).
+        name: thread name prefix.
+    """
+
+    def __init__(self, workers: int, name: str) -> None:
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._threads = [threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(workers)]
+        for t in self._threads:
+            t.start()
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn, args = item
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                result = fn(*args)
+            except BaseException as e:  # re-raised by whoever waits on the future
+                fut.set_exception(e)
+            else:
+                fut.set_result(result)
+
+    def submit(self, fn: Any, *args: Any) -> Future:
+        fut: Future = Future()
+        self._queue.put((fut, fn, args))
+        return fut
+
+    def shutdown(self, cancel_futures: bool = False) -> None:
+        """Stop the threads once they finished the calls in hand (and, unless ``cancel_futures``, the queued ones)."""
+        if cancel_futures:
+            pending = []
+            with contextlib.suppress(queue.Empty):
+                while True:
+                    pending.append(self._queue.get_nowait())
+            for item in pending:
+                if item is not None:
+                    item[0].cancel()
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            if t.ident is not None:  # started (a Ctrl-C during __init__ may have stopped the loop)
+                t.join()
+
+
 class SpillDir:
     """The private spill directory of one engine: files, background I/O pools, cleanup.
 
@@ -283,8 +345,8 @@ class SpillDir:
         self.path: str | None = None
         self.files: dict[tuple[int, int], _SpillFile] = {}
         self.lock = threading.Lock()
-        self.writer: ThreadPoolExecutor | None = None
-        self.reader: ThreadPoolExecutor | None = None
+        self.writer: IOThreads | None = None
+        self.reader: IOThreads | None = None
 
     def ensure(self) -> str:
         with self.lock:
@@ -292,8 +354,12 @@ class SpillDir:
                 prefix = f"{_SPILL_PREFIX}{_host_id()}_{os.getpid()}_{_process_start_ticks(os.getpid())}_"
                 self.path = tempfile.mkdtemp(prefix=prefix, dir=self.root)  # mode 0o700
                 self.io_mode, self.io_reason = self._choose_io_mode(self.path)
-                self.writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-spill-w")
-                self.reader = ThreadPoolExecutor(max_workers=self.io_threads, thread_name_prefix="lazytrain-spill-r")
+            # Note: [Spill I/O threads never block exit]; made apart from the directory, so that an interrupted
+            # start leaves nothing half made
+            if self.writer is None:
+                self.writer = IOThreads(1, "lazytrain-spill-w")
+            if self.reader is None:
+                self.reader = IOThreads(self.io_threads, "lazytrain-spill-r")
             return self.path
 
     def _choose_io_mode(self, path: str) -> tuple[str, str]:
@@ -411,7 +477,7 @@ class SpillDir:
         """Remove every file and the directory; stop the I/O threads. Idempotent; runs at exit (finalize)."""
         for pool in (self.writer, self.reader):
             if pool is not None:
-                pool.shutdown(wait=True, cancel_futures=True)
+                pool.shutdown(cancel_futures=True)
         self.writer = self.reader = None
         self.remove_all_files()
         if self.path is not None:
@@ -581,10 +647,18 @@ class NvmeTier(Tier):
         if not self._release_reload(entry):
             return
         with self.ctx.acct.lock:
-            if entry.file is not None:
-                self.ctx.acct.add("nvme", -entry.layout.nbytes)
-                f, entry.file = entry.file, None
-                self.spill.drop(f)
+            if entry.file is None:
+                return
+            self.ctx.acct.add("nvme", -entry.layout.nbytes)
+            f, entry.file = entry.file, None
+        # Note: [A spill file outlives its writes]: an entry released before its write ran (a graph freed without
+        # backward, e.g. a forward interrupted by Ctrl-C) drops its file only once the write finished; closing the
+        # descriptor under the writer failed the write with EBADF, or sent it to a file that reused the descriptor
+        fut = entry.write_future
+        if fut is not None and not fut.done():
+            fut.add_done_callback(lambda _: self.spill.drop(f))
+        else:
+            self.spill.drop(f)
 
     # ------------------------------------------------------------------ step
     def wait_io(self) -> None:

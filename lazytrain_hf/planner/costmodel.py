@@ -31,6 +31,8 @@ from typing import Any
 
 from ..models import layer_kinds
 from .hardware import HardwareProfile, get_profile
+from .memterms import MEMORY_PASSES_BWD, MEMORY_PASSES_FWD  # memory-bound traffic per byte saved (memterms.py)
+from .memterms import rmsnorm_saved as _rmsnorm_saved
 from .plan import POLICIES
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -128,17 +130,6 @@ def layer_param_count(config: Any, kind: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ saved bytes
-def _rmsnorm_saved(rows: int, width: int, db: int, one_plus_weight: bool) -> int:
-    """What an RMSNorm saves (its output is counted by its consumer).
-
-    Qwen2/Qwen3 RMSNorm: ``x32 = x.float()`` (pow, mul), ``rsqrt`` (mul), ``normed.to(dtype)`` (weight mul).
-    Qwen3.5 (1 + w) RMSNorm: ``x32``, ``rsqrt``, the fp32 ``(1 + w)`` and the fp32 normalized ``x32 * rsqrt``.
-    """
-    if one_plus_weight:
-        return rows * width * FP32 + rows * FP32 + width * FP32 + rows * width * FP32
-    return rows * width * FP32 + rows * FP32 + rows * width * db
-
-
 def _attention_core_saved(m: dict[str, int], B: int, T: int, db: int, attn_impl: str) -> int:
     N = B * T
     if attn_impl == "sdpa":
@@ -274,12 +265,6 @@ _KERNELS_LINEAR_ATTENTION = 60 + 3 * (DELTA_RULE_CHUNK - 1)
 _KERNELS_LINEAR_ATTENTION_PER_CHUNK = 12
 _KERNELS_MLP = 5
 _KERNELS_MOE = 25
-# Memory-bound traffic per byte saved for backward: a saved tensor is written by its producer and read by its
-# consumer in forward (2x); backward reads it once and writes and reads an activation gradient of its size (3x).
-# The saved bytes are exact (checked against autograd), so this counts the norms, activations, casts, softmax and
-# the fp32 delta-rule elementwise work of each layer kind through one audited figure.
-MEMORY_PASSES_FWD = 2.0
-MEMORY_PASSES_BWD = 3.0
 # Backward also passes over the layer's weight gradients twice: written (accumulated) as the weight-gradient GEMMs
 # finish, read by the per-layer squared norm taken on the device (optim/clip.py). On a GPU this is ~0.1% of a
 # layer's backward; on the CPU (fp32, skinny GEMMs) ~10%, the gap the other terms leave to the timed layers.

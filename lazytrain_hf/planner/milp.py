@@ -29,6 +29,7 @@ from .costmodel import CostModel
 from .formulation import _build, _extract, _warm_start
 from .hardware import HardwareProfile, get_profile
 from .heuristics import heuristic_plan, min_memory_plan
+from .outcome import PlannerFallbackWarning, settle
 from .plan import Plan
 from .search import batch_candidates, fastest_plan, max_feasible_batch
 from .solver import SOLVERS, _resolve_solver, _solve
@@ -43,11 +44,12 @@ from .stages import (
     _reload_stages,
     evaluate_plan,
 )
-from .warmstart import better_of, start_candidates
+from .warmstart import start_candidates
 
 __all__ = [
     # the entry points
     "PlanInfeasibleError",
+    "PlannerFallbackWarning",
     "milp_feasible",
     "min_gpu_budget",
     "plan_for_model",
@@ -131,25 +133,27 @@ def solve(
         raise ValueError(f"lookahead={lookahead} must be >= 0 (2 is the default).")
     allowed_tiers = _usable_tiers(allowed_tiers, nvme_budget)
     name = _resolve_solver(solver)
+    t_start = time.perf_counter()  # every solver call below shares the one time limit
     heuristic = heuristic_plan(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers)
     if heuristic is None:
         # The simple schedules do not fit; the least-memory plan of the MILP decides (and is the fallback).
-        heuristic = _min_memory_solution(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit)
+        heuristic = _min_memory_solution(
+            cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit / 4, threads
+        )
         if heuristic is None or not _fits(evaluate_plan(heuristic, cm), gpu_budget, host_budget, nvme_budget):
             raise _infeasible(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
-    t_start = time.perf_counter()
     coarse = None
     if lookahead >= 2 and not fixed_slotting:
         # Solve with lookahead 1 first (a much smaller model): its plan is a point of this one and a strong warm start.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             coarse = solve(
-                cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, time_limit / 4, gap, solver,
+                cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, (time_limit - _since(t_start)) / 4, gap,
+                solver,
                 lookahead=1, allow_resident=allow_resident, warm_start=warm_start, threads=threads,
             )  # fmt: skip
         if coarse.source != "milp":
             coarse = None
-    remaining = max(1.0, time_limit - (time.perf_counter() - t_start))
     model = _build(
         cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, "time", allow_resident, fixed_slotting
     )
@@ -159,45 +163,30 @@ def solve(
         cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, (warm_start, coarse, heuristic)
     )
     start = next((c for c in candidates if _warm_start(model, c, lookahead, cm)), None)
-    rep = _solve(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
-    rep["seconds"] = time.perf_counter() - t_start
+    remaining = time_limit - _since(t_start)
+    if remaining >= _MIN_SOLVE_S:
+        rep = _solve(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
+    else:  # the earlier solves took the time: what they found is the answer (said so by `settle`)
+        rep = {"status": "no_solution", "has_solution": False, "solver_result": "no time left for the full model"}
+    rep["seconds"] = _since(t_start)
     if rep["status"] == "infeasible" and start is None:
         raise _infeasible(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
     if rep["status"] == "infeasible":
         # A plan we hold fits by exact evaluation, so this is the solver's tolerance at a budget met with equality.
         rep["has_solution"] = False
-    kept_start = False
-    if rep["has_solution"]:
-        # See Note: [A solve never returns worse than its start]
-        plan, kept_start = better_of(_extract(model, cm, "milp"), start, cm)
-        plan.source = "milp"
-        if rep["status"] != "optimal":
-            warnings.warn(
-                f"MILP stopped before proving optimality ({rep['solver_result']}, gap={rep['gap']}); using its best "
-                f"plan. Raise time_limit (now {time_limit} s) for a better one.",
-                stacklevel=2,
-            )
-    else:
-        warnings.warn(
-            f"MILP solver returned no plan ({rep['solver_result']} after {rep['seconds']:.1f} s); using the heuristic "
-            "plan (see `heuristic_plan`). Raise time_limit or install highspy.",
-            stacklevel=2,
-        )
-        plan = start if start is not None else heuristic
-        plan.source = "heuristic"
-    ev = evaluate_plan(plan, cm)
-    plan.predicted = ev.predictions()
-    plan.solver = {
-        "status": rep["status"] if plan.source == "milp" else f"heuristic ({rep['status']})",
-        "seconds": rep["seconds"],
-        "gap": rep["gap"],
-        "name": name,
-        "objective": rep["objective"],
-        "warm_start": rep.get("warm_start", "given" if start is not None else "none"),
-        "start": start.source if start is not None else None,
-        "kept_start": kept_start,
-    }
+    # Note: [A solve never returns worse than what it started from] (outcome.py): every candidate fits, and the
+    # baselines are among them (`warmstart.start_candidates`)
+    plan = settle(_extract(model, cm, "milp") if rep["has_solution"] else None, rep, candidates, cm, name, time_limit)
+    plan.solver["lookahead"] = 1 if fixed_slotting else lookahead
+    plan.solver["start"] = start.source if start is not None else None
     return plan
+
+
+_MIN_SOLVE_S = 0.5  # the least time worth starting a solver for (a HiGHS worker process starts in ~0.3 s)
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0
 
 
 def _usable_tiers(tiers: Sequence[str], nvme_budget: int) -> tuple[str, ...]:
@@ -248,10 +237,11 @@ def _min_memory_solution(
     lookahead: int,
     solver: str,
     time_limit: float = 30,
+    threads: int | None = None,
 ) -> Plan | None:
     """The plan of least peak device memory within the host / NVMe budgets (``None``: the solver found none)."""
     model = _build(cm, None, host_budget, nvme_budget, allowed_tiers, lookahead, objective="memory")
-    rep = _solve(model.prob, _resolve_solver(solver), time_limit, 0.0, warm=False)
+    rep = _solve(model.prob, _resolve_solver(solver), time_limit, 0.0, warm=False, threads=threads)
     if not rep["has_solution"]:
         return None
     return _extract(model, cm, "heuristic")
@@ -295,12 +285,13 @@ def milp_feasible(
     allowed_tiers: Sequence[str] = ("gpu", "cpu"),
     lookahead: int = DEFAULT_LOOKAHEAD,
     solver: str = "auto",
+    time_limit: float = 30,
 ) -> bool:
     """Whether any plan of the MILP fits the budgets (fast path: the minimum-memory schedule fits)."""
     quick = evaluate_plan(min_memory_plan(cm, allowed_tiers), cm)
     if _fits(quick, gpu_budget, host_budget, nvme_budget):
         return True
-    need = min_gpu_budget(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
+    need = min_gpu_budget(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit)
     return need is not None and need <= gpu_budget
 
 
@@ -341,6 +332,7 @@ def plan_for_model(
     measured_times: tuple[Sequence[float], Sequence[float]] | None = None,
     lookahead: int = DEFAULT_LOOKAHEAD,
     state_nvme: Sequence[int] = (),
+    search_time_limit: float = 60,
 ) -> Plan:
     """Plan training of ``config`` on ``hardware`` (the entry point the trainer uses).
 
@@ -350,13 +342,19 @@ def plan_for_model(
         auto_batch_size: search the micro-batch size with the highest predicted tokens/s; the largest feasible batch
             is recorded in ``plan.predicted["max_batch_size"]``.
         measured_times: ``(fwd_s, bwd_s)`` per layer measured at ``micro_batch_size`` (timed warm-up steps).
+        time_limit: seconds of one solve (the batch search's solves share ``search_time_limit``).
+        search_time_limit: with ``auto_batch_size``, the wall-clock seconds of the whole batch search: each solve
+            gets at most its share of what is left (``min(time_limit, left / solves left)``).
         state_nvme: the units whose training state is on NVMe (`lazytrain_hf.planner.hostmem.place_state`): their
             state I/O is in the stage and tail constraints (`CostModel.with_state_nvme`), and the plan keeps them.
     """
+    t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
     hw = get_profile(hardware)
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size={max_batch_size} must be >= 1.")
+    if search_time_limit <= 0:
+        raise ValueError(f"search_time_limit={search_time_limit} must be > 0 seconds (e.g. 60).")
     gpu_b = hw.default_gpu_budget() if gpu_budget is None else _check_budget(gpu_budget, "gpu_budget")
     host_b = hw.default_host_budget() if host_budget is None else _check_budget(host_budget, "host_budget", 0)
     nvme_b = _check_budget(nvme_budget, "nvme_budget", 0)
@@ -406,13 +404,22 @@ def plan_for_model(
         return cms[b]
 
     def feasible(b: int) -> bool:
-        return milp_feasible(cm_at(b), gpu_b, host_b, nvme_b, tiers, lookahead, solver)
+        left = search_time_limit - _since(t_search)
+        return milp_feasible(cm_at(b), gpu_b, host_b, nvme_b, tiers, lookahead, solver, time_limit=max(left / 4, 1))
 
     b_max = max_feasible_batch(feasible, max_batch_size)
     if b_max == 0:
         raise _infeasible(cm_at(1), gpu_b, host_b, nvme_b, tiers, lookahead, solver)
     candidates = batch_candidates(b_max)
-    best = fastest_plan(lambda b, warm: solve(cm_at(b), **kw, warm_start=warm), candidates)
+    solved: list[int] = []
+
+    def solve_at(b: int, warm: Plan | None) -> Plan:
+        # the solves share what is left of search_time_limit, largest batch first
+        share = 0.95 * (search_time_limit - _since(t_search)) / (len(candidates) - len(solved))  # 5%: bookkeeping
+        solved.append(b)
+        return solve(cm_at(b), **{**kw, "time_limit": max(min(time_limit, share), 1e-3)}, warm_start=warm)
+
+    best = fastest_plan(solve_at, candidates)
     best.predicted["max_batch_size"] = b_max
     best.predicted["batch_sizes_tried"] = list(candidates)
     best.model = name

@@ -184,8 +184,32 @@ def step_transfers(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: in
         u = unit_of(k)
         add("nvme_read", "state", k, u.state_read, tail, per_step=True)
         add("nvme_write", "state", k, u.state_write, tail, per_step=True)
-    out.sort(key=lambda t: t.stage)
+    # Note: [Transfers of a stage in the executor's order]: within a stage the executor issues the embedding's
+    # fetch first (its pre-forward hook), then the plan's issue schedule, ordered by the stage that needs each
+    # transfer (`Plan.issue_schedule`), then what the stage's compute fetches itself (block recomputation, the head)
+    rank = {id(t): _issue_rank(t, L, fetch_stage, plan) for t in out}
+    out.sort(key=lambda t: (t.stage, rank[id(t)]))  # stable: an NVMe read stays before the copy it feeds
     return out
+
+
+def _issue_rank(t: Transfer, L: int, fetch_stage: dict[tuple[str, int], int], plan: Plan) -> tuple:
+    """Where ``t`` comes among the transfers issued in its stage (Note: [Transfers of a stage in the executor's
+    order]): ``(0,)`` the embedding's fetch, ``(1, need, what, layer)`` an item of the plan's issue schedule (the
+    tuple `Plan.issue_schedule` sorts by), ``(2,)`` the rest, in the order they were listed."""
+    if t.what == "fetch_fwd" and t.layer == -1 and t.stage == 0:
+        return (0,)
+    i = t.layer
+    if i is None or not 0 <= i < L or t.per_step:
+        return (2,)
+    if t.what in ("reload", "unspill"):
+        return (1, 2 * L - i, "reload", i)
+    if t.what == "fetch_bwd":
+        return (1, 2 * L - i, "fetch_bwd", i)
+    if t.what == "fetch_fwd":
+        if t.stage < fetch_stage[("fetch_fwd", i)]:  # issued by the backward fetch (see above): its tuple
+            return (1, 2 * L - i, "fetch_bwd", i)
+        return (1, i, "fetch_fwd", i)
+    return (2,)
 
 
 def bytes_per_step(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: int = 1) -> dict[str, int]:

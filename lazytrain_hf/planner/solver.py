@@ -3,17 +3,17 @@
 Owns: `SOLVERS` and `_resolve_solver` (``auto``: HiGHS when ``highspy`` is installed, else PuLP's bundled CBC),
 and `_solve`, which runs a built PuLP problem with the time limit, relative gap, warm start and thread count given
 explicitly and quiet output, and reports status, gap, objective and bound read from the solver itself (CBC's log,
-HiGHS' info), not only PuLP's summary. Never raises on an infeasible or unsolved problem: it reports, and `solve`
+HiGHS' info), not only PuLP's summary. HiGHS runs in a child process that ends by the time limit, presolve
+included (`highs_run.py`, Note: [HiGHS presolve ignores the time limit]), with the warm start handed over through
+``Highs.setSolution``. Never raises on an infeasible or unsolved problem: it reports, and `solve`
 decides (dedicated exception, incumbent with a warning, or the heuristic fallback). Knows the PuLP problem only,
 not the formulation's variables, plans or cost models; imports pulp only inside its functions, never torch.
 """
 
 from __future__ import annotations
 
-import contextlib
 import os
 import re
-import sys
 import tempfile
 import time
 import warnings
@@ -35,21 +35,6 @@ def _resolve_solver(solver: str) -> str:
         if solver == "highs":
             raise ImportError("solver='highs' needs HiGHS: pip install highspy (or use solver='cbc').") from e
         return "cbc"
-
-
-@contextlib.contextmanager
-def _quiet_stdout():
-    """Silence file descriptor 1 (C libraries write there directly, past `sys.stdout`)."""
-    sys.stdout.flush()
-    saved = os.dup(1)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    try:
-        os.dup2(devnull, 1)
-        yield
-    finally:
-        os.dup2(saved, 1)
-        os.close(saved)
-        os.close(devnull)
 
 
 _CBC_RESULT = re.compile(r"^Result - (.+)$", re.M)
@@ -113,30 +98,19 @@ def _solve(
         else:
             status = "no_solution"
     else:
-        # the start reaches HiGHS through Highs.setSolution (PuLP's warmStart option does not), see highs_start.py
-        from .highs_start import highs_command
+        # HiGHS in a child process bounded by the wall clock (See Note: [HiGHS presolve ignores the time limit] in
+        # highs_run.py); the warm start goes in through Highs.setSolution (PuLP's HiGHS drops it: "warmStart" is
+        # not a HiGHS option)
+        from .highs_run import model_arrays, run_bounded
 
-        cmd = highs_command(warm, msg=False, timeLimit=time_limit, gapRel=gap, threads=threads)
-        with _quiet_stdout():  # HiGHS prints its banner even with msg=False (it would corrupt `--json` output)
-            prob.solve(cmd)
-        report["warm_start"] = cmd.warm_start
-        h = prob.solverModel
-        info = h.getInfo()
-        ms = h.modelStatusToString(h.getModelStatus())
-        report["solver_result"] = ms
-        has_solution = int(getattr(info, "primal_solution_status", 0)) == 2
-        report["objective"] = float(info.objective_function_value) if has_solution else None
-        report["bound"] = float(info.mip_dual_bound)
-        report["gap"] = float(info.mip_gap) if has_solution else None
-        low = ms.lower()
-        if "infeasible" in low:
-            status, has_solution = "infeasible", False
-        elif low == "optimal":
-            status = "optimal"
-        elif has_solution:
-            status = "time_limit" if "time" in low else "feasible"
-        else:
-            status = "no_solution"
+        variables = prob.variables()
+        run = run_bounded(model_arrays(prob, warm), time_limit, gap, threads)
+        if run["has_solution"]:
+            for v, x in zip(variables, run["x"]):
+                v.varValue = float(x)
+        for k in ("objective", "bound", "gap", "solver_result", "presolve", "stopped"):
+            report[k] = run[k]
+        status, has_solution = run["status"], run["has_solution"]
     report["status"] = status
     report["has_solution"] = has_solution
     report["seconds"] = time.perf_counter() - t0

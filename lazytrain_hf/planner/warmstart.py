@@ -1,16 +1,15 @@
-"""The start candidates the MILP is seeded with, and the guard that a solve never returns worse than its start.
+"""The start candidates the MILP is seeded with.
 
 Owns: `start_candidates` (the plans a solve may start from, best first: the caller's warm start, the coarse
-solve, the heuristic plan and every fixed baseline of `baselines.BASELINES` that fits the budgets) and
-`better_of` (the solver's plan, or the start when the solver's plan evaluates slower: a solve never returns worse
-than where it started). Plans are compared by `stages.evaluate_plan`, the MILP's own objective (the start reaches
-HiGHS through `highs_start.highs_command`). Imports neither pulp nor torch, and knows neither the formulation's
-variables nor the runtime.
+solve, the heuristic plan and every fixed baseline of `baselines.BASELINES` that fits the budgets). Plans are
+compared by `stages.evaluate_plan`, the MILP's own objective; the best start reaches HiGHS through
+`Highs.setSolution` (`highs_run.model_arrays`), and `outcome.settle` keeps the best of the solver's plan and every
+candidate (Note: [A solve never returns worse than what it started from]). Imports neither pulp nor torch, and knows
+neither the formulation's variables nor the runtime.
 """
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 
 from .baselines import BASELINES, baseline_plan
@@ -47,19 +46,3 @@ def start_candidates(
     out.sort(key=lambda t: (t[0], t[1]))
     return [p for _, _, p in out]
 
-
-def better_of(plan: Plan, start: Plan | None, cm: CostModel) -> tuple[Plan, bool]:
-    """``(plan, False)``, or ``(start, True)`` when ``start`` evaluates faster than the solver's ``plan``.
-
-    Note: [A solve never returns worse than its start]
-    The start is a point of the model and the objective is `evaluate_plan`'s step time, so a solver that received
-    the start returns at most its objective; a solver stopped early or at its gap tolerance after a start that
-    did not reach it could return worse. Either way the start is kept then, and the caller says so.
-    """
-    if start is None:
-        return plan, False
-    t_plan = evaluate_plan(plan, cm).step_time_s
-    t_start = evaluate_plan(start, cm).step_time_s
-    if t_start < t_plan * (1 - 1e-12) and not math.isclose(t_start, t_plan, rel_tol=1e-12):
-        return start, True
-    return plan, False
