@@ -385,8 +385,9 @@ class LazyTrainer(Trainer):
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
         # Note: [Optimizer state is matched by parameter name] in training/optimizer_groups.py
+        written_streamed = checkpoint is not None and os.path.exists(os.path.join(checkpoint, PLAN_FILE))
         by_name = optimizer_groups.load_by_name(
-            self.optimizer, checkpoint, self.stream_handle is not None, self._legacy_group_names
+            self.optimizer, checkpoint, self.stream_handle is not None, self._legacy_group_names, written_streamed
         )
         try:
             with by_name:
@@ -718,8 +719,9 @@ class LazyTrainer(Trainer):
         if not self.args.should_save:
             return
         masters = checkpoints.unsaved_masters(self.stream_handle, self._updater)
-        for name in saved_weights.cast_overrides(self.stream_handle):  # Note: [A checkpoint holds the model in its
-            masters.pop(name, None)  # own dtype] in training/saved_weights.py: in the weights file already
+        # Note: [A checkpoint holds the model in its own dtype] in training/saved_weights.py: in the weights already
+        for name in saved_weights.cast_overrides(self.stream_handle):
+            masters.pop(name, None)
         # Note: [Checkpoints of the state on NVMe] in training/checkpoints.py
         checkpoints.write_nvme_optimizer_state(os.path.join(staging_root, os.path.basename(final)), self.stream_handle)
         checkpoints.publish_checkpoint(staging_root, final, masters)

@@ -389,7 +389,6 @@ def _named_optimizer(names: list[str], seed: int):
 def test_optimizer_state_is_loaded_by_name(tmp_path):
     """The saved state goes to the parameter of the same name whatever the order; a state for other parameters, or
     a nameless one from a run with the other streaming mode, is refused naming why and the fix."""
-    from lazytrain_hf.args import PLAN_FILE
     from lazytrain_hf.training.optimizer_groups import OptimizerStateMismatch, load_by_name
 
     saved, by_name = _named_optimizer(["a", "b", "c"], seed=0)
@@ -407,13 +406,13 @@ def test_optimizer_state_is_loaded_by_name(tmp_path):
 
     nameless = saved.state_dict()
     nameless["param_groups"] = [{k: v for k, v in g.items() if k != "param_names"} for g in nameless["param_groups"]]
-    (tmp_path / PLAN_FILE).write_text("{}")  # written by a streamed run
     with pytest.raises(
         OptimizerStateMismatch, match="stream_enabled=True.*stream_enabled=False.*with stream_enabled=True"
     ):
-        with load_by_name(opt, str(tmp_path), streamed=False, legacy_names=[["c", "a", "b"]]):
+        with load_by_name(opt, str(tmp_path), streamed=False, legacy_names=[["c", "a", "b"]], writer_streamed=True):
             opt.load_state_dict(nameless)
-    with load_by_name(opt, str(tmp_path), streamed=True, legacy_names=[["a", "b", "c"]]):  # its own legacy order
+    # its own legacy order
+    with load_by_name(opt, str(tmp_path), streamed=True, legacy_names=[["a", "b", "c"]], writer_streamed=True):
         opt.load_state_dict(nameless)
     for n in "abc":
         assert torch.equal(opt.state[params[n]]["exp_avg"], saved.state[by_name[n]]["exp_avg"]), n

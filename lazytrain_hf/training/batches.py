@@ -18,12 +18,11 @@ Functions take the dataset, plans and batches as arguments; this module never im
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
 from transformers.utils import logging
-
-from .contract import first_rows
 
 logger = logging.get_logger(__name__)
 
@@ -69,10 +68,10 @@ def longest_rows(dataset: Any, n: int) -> list[int]:
 def sample_rows(dataset: Any, n: int) -> list[Any]:
     """The rows the plan's batch is collated from (Note: [The plan is made for the longest batch]): the ``n``
     longest of a map-style dataset, the first ``n`` of one without a length (an iterable dataset: its first batch,
-    read from a new iterator, `contract.first_rows`)."""
+    read from a new iterator: the training dataloader's is not touched)."""
     if hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__"):
         return [dataset[i] for i in longest_rows(dataset, min(n, len(dataset)))]
-    return first_rows(dataset, n)
+    return list(itertools.islice(iter(dataset), n))
 
 
 def check_batch_planned(plan: Any, inputs: dict[str, Any], from_file: bool = False) -> bool:

@@ -26,6 +26,7 @@ from ..args import PLAN_FILE
 from ..loading import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from ..loading import find_weight_files as _weight_files
 from ..units import format_bytes
+from .lazytensor import LazyTensor
 
 MASTER_FILE = "lazytrain_master.safetensors"
 
@@ -386,13 +387,6 @@ class SafetensorsWriter:
         self._f.close()
         if missing:
             raise ValueError(f"{self.path}: {len(missing)} declared tensor(s) never written: {missing[:5]}.")
-
-
-class LazyTensor:
-    """A tensor read only when it is written (`write_safetensors`): ``dtype``, ``shape`` and ``read()``."""
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], read):
-        self.dtype, self.shape, self.read = dtype, tuple(shape), read
 
 
 def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict | None = None) -> None:

@@ -20,13 +20,10 @@ This module never imports `transformers.Trainer`.
 from __future__ import annotations
 
 import contextlib
-import os
 from collections.abc import Iterator
 from typing import Any
 
 import torch
-
-from ..args import PLAN_FILE
 
 
 class OptimizerStateMismatch(ValueError):
@@ -54,11 +51,16 @@ def decay_groups(
 
 @contextlib.contextmanager
 def load_by_name(
-    optimizer: Any, checkpoint: str | None, streamed: bool, legacy_names: list[list[str]] | None
+    optimizer: Any,
+    checkpoint: str | None,
+    streamed: bool,
+    legacy_names: list[list[str]] | None,
+    writer_streamed: bool = False,
 ) -> Iterator[None]:
     """While inside, ``optimizer.load_state_dict`` (the optimizer inside an accelerate wrapper) maps the saved
     state to its groups by parameter name (Note: [Optimizer state is matched by parameter name]). A no-op for an
-    optimizer whose groups carry no names (not built by `decay_groups`)."""
+    optimizer whose groups carry no names (not built by `decay_groups`). ``streamed``: this run streams;
+    ``writer_streamed``: the run that wrote ``checkpoint`` did (its plan is beside the weights)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     groups = getattr(inner, "param_groups", None)
     if checkpoint is None or not groups or not all("param_names" in g for g in groups):
@@ -67,7 +69,7 @@ def load_by_name(
     original = inner.load_state_dict
 
     def load(state_dict: dict[str, Any]) -> None:
-        return original(_by_name(state_dict, groups, checkpoint, streamed, legacy_names))
+        return original(_by_name(state_dict, groups, checkpoint, streamed, legacy_names, writer_streamed))
 
     inner.load_state_dict = load
     try:
@@ -77,14 +79,18 @@ def load_by_name(
 
 
 def _by_name(
-    sd: dict[str, Any], groups: list[dict], checkpoint: str, streamed: bool, legacy: list[list[str]] | None
+    sd: dict[str, Any],
+    groups: list[dict],
+    checkpoint: str,
+    streamed: bool,
+    legacy: list[list[str]] | None,
+    writer_streamed: bool,
 ) -> dict[str, Any]:
     saved_groups = sd["param_groups"]
     if len(saved_groups) != len(groups):
         return sd  # the optimizer's own check names the group counts
     names = [g.get("param_names") for g in saved_groups]
     if any(n is None for n in names):
-        writer_streamed = os.path.exists(os.path.join(checkpoint, PLAN_FILE))
         if writer_streamed != streamed or legacy is None:
             raise OptimizerStateMismatch(
                 f"checkpoint {checkpoint} was written with stream_enabled={writer_streamed} by an earlier lazytrain_hf "

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from .checkpoints import LazyTensor
+from .lazytensor import LazyTensor
 
 
 def cast_overrides(handle: Any) -> dict[str, torch.Tensor | LazyTensor]:
