@@ -198,6 +198,8 @@ class LazyTrainingArguments(TrainingArguments):
     )
 
     def __post_init__(self):
+        # before TrainingArguments sets up the frameworks some of them name (DeepSpeed, FSDP), which never run here
+        _refuse_while_streaming(self)
         super().__post_init__()
         # ---- types: HfArgumentParser converts the command line, Python callers can pass anything
         self._check_types()
@@ -416,6 +418,58 @@ class LazyTrainingArguments(TrainingArguments):
             )
             values.update({k: None if k == "activation_checkpointing" else False for k in checkpointing})
         return target(**_originals(args, values))
+
+
+# Note: [TrainingArguments a streamed run refuses]
+# TrainingArguments fields that Trainer would honour by changing the model or its placement in ways the executor
+# cannot follow: each refused at construction while streaming, naming the option, the value and the fix, instead of
+# being ignored (the Trainer contract, tests/test_trainer_contract.py). field -> (why, what to do instead).
+STREAMING_REFUSED = {
+    "bf16_full_eval": (
+        "Trainer casts the whole model to bf16 on the device for evaluation, while the streamed model lives in the "
+        "host store and is moved by the executor",
+        "use bf16=True instead (evaluation then streams the bf16 compute copy training uses)",
+    ),
+    "fp16_full_eval": (
+        "Trainer casts the whole model to fp16 on the device for evaluation, while the streamed model lives in the "
+        "host store and is moved by the executor",
+        "use bf16=True instead (evaluation then streams the bf16 compute copy training uses)",
+    ),
+    "optim_args": (
+        "they configure the optimizer `optim` names, while the streamed model is updated by HybridAdamW8bit",
+        "tune it with learning_rate, weight_decay, adam_beta1, adam_beta2, adam_epsilon and the optim_* fields",
+    ),
+    "use_liger_kernel": (
+        "Liger swaps the model's modules and its fused linear cross entropy, while the executor computes the loss "
+        "in chunks itself (the full logits never exist)",
+        "leave it off (stream_loss_chunk_tokens bounds the loss memory)",
+    ),
+    "fsdp": (
+        "FSDP shards and moves the parameters, which the executor keeps in its host store",
+        "leave it off (data parallel works: `accelerate launch --multi_gpu`)",
+    ),
+    "deepspeed": (
+        "DeepSpeed takes over the parameters, the optimizer and their placement, which the executor owns",
+        "leave it off (data parallel works: `accelerate launch --multi_gpu`)",
+    ),
+    "parallelism_config": (
+        "tensor / context parallelism shards the layers the executor streams whole",
+        "leave it off (data parallel works: `accelerate launch --multi_gpu`)",
+    ),
+}
+
+
+def _refuse_while_streaming(args: TrainingArguments) -> None:
+    """Note: [TrainingArguments a streamed run refuses]."""
+    if not getattr(args, "stream_enabled", False):
+        return
+    for name, (why, fix) in STREAMING_REFUSED.items():
+        value = getattr(args, name, None)
+        if value:  # unset: None, False, "" or an empty list
+            raise ValueError(
+                f"{name}={value!r} with stream_enabled=True: {why}. To stream, {fix}; or set stream_enabled=False "
+                f"to train with {name} as Trainer does."
+            )
 
 
 # TRL configs whose trainer LazyTrain streams (`lazytrain_hf.LazySFTTrainer`), and their bases

@@ -167,15 +167,16 @@ def rotary_emb(model: nn.Module) -> nn.Module:
     return model.get_submodule(get_spec(model).rotary_emb)
 
 
-def router_aux_loss(model: nn.Module, router_logits: Any, attention_mask: Any) -> Any:
+def router_aux_loss(model: nn.Module, router_logits: Any, attention_mask: Any, coef: float | None = None) -> Any:
     """``router_aux_loss_coef * load_balancing_loss_func(...)`` exactly as the family's ``*ForCausalLM.forward`` adds
     it to the loss (the function of the model class's own module, with its ``num_experts`` and
-    ``num_experts_per_tok``)."""
+    ``num_experts_per_tok``). ``coef``: another weight than the model's ``router_aux_loss_coef`` (TRL's SFT divides
+    it by the gradient-accumulation steps)."""
     import sys
 
     fn = sys.modules[type(model).__module__].load_balancing_loss_func
     aux = fn(router_logits, model.num_experts, model.num_experts_per_tok, attention_mask)
-    return model.router_aux_loss_coef * aux
+    return (model.router_aux_loss_coef if coef is None else coef) * aux
 
 
 def ties_embeddings(model_or_config: Any) -> bool:

@@ -12,8 +12,9 @@ What changes against `transformers.Trainer` (everything else is inherited unchan
   A non-finite norm skips the step (optimizer state untouched, scheduler not stepped), counted and logged.
 - `_save_checkpoint()` / `save_model()`: written to a staging directory, then renamed, so an interrupted save never
   replaces a good checkpoint with a half-written one; weights are read from the host store (never gathered on the
-  device) and checkpoints also carry the fp32 masters when the compute copy is bf16. Resume restores them and the
-  plan. `training_args.bin` never holds the hub token.
+  device); an fp32 model computing with a bf16 copy is written from its fp32 masters, and a bf16 model's checkpoints
+  carry its fp32 masters too. Resume restores them and the plan; the optimizer state is matched by parameter name.
+  `training_args.bin` never holds the hub token.
 - `evaluate()` / `predict()` / `streaming()`: inference with the model streamed.
 - `log()`: adds throughput (tokens/s, TFLOPS), peak device memory and predicted vs measured step time.
 
@@ -37,7 +38,16 @@ from transformers.utils import logging
 
 from .args import PLAN_FILE, LazyTrainingArguments
 from .loading import weights_on_disk
-from .training import checkpoints, contract, dataparallel, planning
+from .training import (
+    batches,
+    checkpoints,
+    contract,
+    dataparallel,
+    optimizer_groups,
+    planning,
+    saved_weights,
+    user_access,
+)
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
 from .training.updater import LayerwiseUpdater
@@ -101,6 +111,10 @@ class LazyTrainer(Trainer):
         self._previous_optimizer: torch.optim.Optimizer | None = None
         self._prebuilt_optimizer: torch.optim.Optimizer | None = None  # Note: [create_optimizer() before train()]
         self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
+        self._legacy_group_names: list[list[str]] | None = None  # Note: [Optimizer state is matched by parameter name]
+        self._longer_batch_seen = False  # Note: [The plan is made for the longest batch] (warned once for a plan file)
+        # Notes: [Callbacks see the updated weights], [In-place edits of weights are folded into the masters]
+        user_access.guard_callbacks(self.callback_handler, lambda: self._updater)
 
     # ------------------------------------------------------------------ train()
     def train(self, resume_from_checkpoint: str | bool | None = None, trial: Any = None, **kwargs: Any):
@@ -179,7 +193,8 @@ class LazyTrainer(Trainer):
         self.model._is_accelerate_prepared = True
         try:
             # Note: [fp32 masters in checkpoints] in training/checkpoints.py
-            checkpoints.restore_masters(checkpoint, self.stream_handle, self._updater, "store")
+            masters_in_weights = set(saved_weights.cast_overrides(self.stream_handle))
+            checkpoints.restore_masters(checkpoint, self.stream_handle, self._updater, "store", masters_in_weights)
             # Note: [Squared norms of accumulated gradients] in streaming/gradients.py: norms (and, in data
             # parallel, reductions) only on the last micro-batch of an optimizer step, as Trainer's gradient state says
             self.stream_handle.last_micro_batch = lambda: self.accelerator.sync_gradients
@@ -337,11 +352,12 @@ class LazyTrainer(Trainer):
         return planning.measure_layer_times(self.model, batch, self.args.device, steps)
 
     def _sample_batch(self) -> dict[str, torch.Tensor]:
-        """One collated training micro-batch, taken without touching the training dataloader's RNG."""
+        """The longest collated training micro-batch the data can produce (its longest rows), taken without touching
+        the training dataloader's RNG."""
         if self.train_dataset is None:
             raise ValueError("LazyTrainer.train() needs a train_dataset to plan and train.")
-        # an iterable dataset (no len()) gives its first rows: the planner's batch is the first batch
-        rows = contract.first_rows(self.train_dataset, self.args.per_device_train_batch_size)
+        # Note: [The plan is made for the longest batch] in training/batches.py (an iterable dataset: its first rows)
+        rows = batches.sample_rows(self.train_dataset, self.args.per_device_train_batch_size)
         if not rows:
             raise ValueError("train_dataset is empty; pass a dataset with at least one row.")
         dl = self.get_train_dataloader()  # only for its collator (column removal included)
@@ -368,8 +384,16 @@ class LazyTrainer(Trainer):
             raise ValueError(checkpoints.checkpoint_error(resume_from_checkpoint, e)) from e
 
     def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        # Note: [Optimizer state is matched by parameter name] in training/optimizer_groups.py
+        written_streamed = checkpoint is not None and os.path.exists(os.path.join(checkpoint, PLAN_FILE))
+        by_name = optimizer_groups.load_by_name(
+            self.optimizer, checkpoint, self.stream_handle is not None, self._legacy_group_names, written_streamed
+        )
         try:
-            super()._load_optimizer_and_scheduler(checkpoint)
+            with by_name:
+                super()._load_optimizer_and_scheduler(checkpoint)
+        except optimizer_groups.OptimizerStateMismatch:
+            raise
         except Exception as e:
             raise ValueError(checkpoints.checkpoint_error(checkpoint, e)) from e
         if checkpoint is not None and self.optimizer is not None:
@@ -441,15 +465,29 @@ class LazyTrainer(Trainer):
             return super().compute_loss(
                 model, inputs, return_outputs=return_outputs, num_items_in_batch=num_items_in_batch
             )
+        if model.training and not self._longer_batch_seen:  # Note: [The plan is made for the longest batch]
+            plan = self.stream_handle.plan
+            self._longer_batch_seen = batches.check_batch_planned(plan, inputs, from_file=self._plan_from_file)
         if self._step_t0 is None:
             self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")
         # a device tensor (no host sync per micro-batch); read once per log in `_throughput_logs`
         self._window["tokens"] += mask.sum() if mask is not None else inputs["input_ids"].numel()
-        loss = self.stream_handle.causal_lm_loss(model, inputs, num_items_in_batch=num_items_in_batch)
+        loss = self.stream_handle.causal_lm_loss(
+            model,
+            inputs,
+            num_items_in_batch=num_items_in_batch,
+            aux_loss_weight=self._router_aux_weight(num_items_in_batch),
+        )
         if self.args.average_tokens_across_devices and num_items_in_batch is not None:
             loss = loss * self.accelerator.num_processes
         return loss
+
+    def _router_aux_weight(self, num_items_in_batch: Any) -> float | None:
+        """The weight of a MoE model's router auxiliary loss in the chunked loss; None: the model's own
+        ``router_aux_loss_coef``, added as its ``*ForCausalLM.forward`` adds it (what Trainer trains). Subclasses
+        whose reference weighs it otherwise (TRL's SFT) override this."""
+        return None
 
     # ------------------------------------------------------------------ optimizer
     def create_optimizer(self, model=None):
@@ -462,21 +500,18 @@ class LazyTrainer(Trainer):
         model = model if model is not None else self.model
         prebuilt, self._prebuilt_optimizer = self._prebuilt_optimizer, None
         decay = set(self.get_decay_parameter_names(model))
-        groups: dict[bool, list[torch.Tensor]] = {True: [], False: []}
         if self.stream_handle is not None:
             self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
-            checkpoints.restore_masters(self._preloaded_checkpoint, self.stream_handle, self._updater, "resident")
-            for name, master in self._updater.named_masters():
-                groups[name in decay].append(master)
+            ckpt, in_weights = self._preloaded_checkpoint, set(saved_weights.cast_overrides(self.stream_handle))
+            checkpoints.restore_masters(ckpt, self.stream_handle, self._updater, "resident", in_weights)
+            named = self._updater.named_masters()
         else:
-            for name, p in model.named_parameters():
-                if p.requires_grad:
-                    groups[name in decay].append(p)
-        param_groups = [
-            {"params": groups[True], "weight_decay": self.args.weight_decay},
-            {"params": groups[False], "weight_decay": 0.0},
-        ]
-        param_groups = [g for g in param_groups if g["params"]]
+            named = [(name, p) for name, p in model.named_parameters() if p.requires_grad]
+        # Note: [Optimizer state is matched by parameter name] in training/optimizer_groups.py
+        order = [name for name, _ in model.named_parameters()]
+        param_groups, self._legacy_group_names = optimizer_groups.decay_groups(
+            named, decay, self.args.weight_decay, order
+        )
         from .optim import HybridAdamW8bit
 
         opt = HybridAdamW8bit(
@@ -653,7 +688,10 @@ class LazyTrainer(Trainer):
 
                 # units whose state is on NVMe are read from their state files, one at a time
                 checkpoints.save_streamed(
-                    self.model, output_dir, read=spill.read_values if spill is not None else None
+                    self.model,
+                    output_dir,
+                    read=spill.read_values if spill is not None else None,
+                    overrides=saved_weights.cast_overrides(self.stream_handle),
                 )
                 tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
                 if tokenizer is not None:
@@ -681,6 +719,9 @@ class LazyTrainer(Trainer):
         if not self.args.should_save:
             return
         masters = checkpoints.unsaved_masters(self.stream_handle, self._updater)
+        # Note: [A checkpoint holds the model in its own dtype] in training/saved_weights.py: in the weights already
+        for name in saved_weights.cast_overrides(self.stream_handle):
+            masters.pop(name, None)
         # Note: [Checkpoints of the state on NVMe] in training/checkpoints.py
         checkpoints.write_nvme_optimizer_state(os.path.join(staging_root, os.path.basename(final)), self.stream_handle)
         checkpoints.publish_checkpoint(staging_root, final, masters)

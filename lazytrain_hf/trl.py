@@ -255,6 +255,24 @@ class LazySFTTrainer(LazyTrainer, SFTTrainer):
             self._log_token_statistics(mode, inputs, seen[-1], models.lm_head(root))
         return loss
 
+    def _router_aux_weight(self, num_items_in_batch: Any) -> float | None:
+        """Note: [SFT weighs the router aux loss per optimizer step]
+        `SFTTrainer.compute_loss` adds ``router_aux_loss_coef * aux_loss`` (its own coefficient, `SFTConfig`'s or the
+        model config's) divided by the gradient-accumulation steps when ``num_items_in_batch`` normalises the NLL
+        (Trainer then leaves accumulation to the loss), and after the NLL was multiplied by the process count under
+        ``average_tokens_across_devices``: the aux term is a per-micro-batch mean. `LazyTrainer.compute_loss`
+        multiplies the whole loss by the process count, so the weight is divided by it here. Without this the MoE
+        loss was ``GA x`` TRL's aux term (15.6% above at GA 2). Test:
+        ``tests/test_trainer_honoured.py::test_lazy_sft_moe_loss_equals_trl_under_gradient_accumulation``."""
+        if not getattr(self, "aux_loss_enabled", False):
+            return None
+        weight = float(self.router_aux_loss_coef)
+        if num_items_in_batch is not None:
+            weight /= self.current_gradient_accumulation_steps
+            if self.args.average_tokens_across_devices:
+                weight /= self.accelerator.num_processes
+        return weight
+
     def _uses_chunked_loss(self, model, return_outputs: bool) -> bool:
         """Whether `LazyTrainer.compute_loss` takes the chunked path (the same conditions)."""
         return not (

@@ -375,13 +375,19 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             torch.cuda.reset_peak_memory_stats(self.device)
 
     def causal_lm_loss(
-        self, model: nn.Module, inputs: dict[str, Any], num_items_in_batch: Any = None, ignore_index: int = -100
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        num_items_in_batch: Any = None,
+        ignore_index: int = -100,
+        aux_loss_weight: float | None = None,
     ) -> torch.Tensor:
         """Causal-LM loss of ``inputs`` (with ``labels``) through the base model and the chunked loss.
 
         Same value and gradients as ``model(**inputs).loss`` (up to fp32 summation order), but the full
         ``B x T x V`` logits never exist: see `chunked_causal_lm_loss`. MoE families with ``output_router_logits``
-        on add the router auxiliary loss as their ``*ForCausalLM`` does (`models.router_aux_loss`). A PEFT model
+        on add the router auxiliary loss as their ``*ForCausalLM`` does (`models.router_aux_loss`), weighted by
+        ``aux_loss_weight`` when given (else the model's ``router_aux_loss_coef``). A PEFT model
         whose adapter acts outside the decoder layers the chunked path calls (prompt tuning's virtual tokens, a LoRA
         on the lm_head; `chunked_loss_unsupported`) is run through its own forward instead, full logits included.
         """
@@ -422,7 +428,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             stats=stats,
         )
         if router:
-            loss = loss + models.router_aux_loss(root, out.router_logits, inputs.get("attention_mask")).to(loss.device)
+            aux = models.router_aux_loss(root, out.router_logits, inputs.get("attention_mask"), coef=aux_loss_weight)
+            loss = loss + aux.to(loss.device)
         self._loss_stats = stats
         self._loss_peak = max(self._loss_peak, stats.get("peak_bytes", 0))
         self._account(extra=stats.get("peak_bytes", 0))

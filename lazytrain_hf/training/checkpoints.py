@@ -26,6 +26,7 @@ from ..args import PLAN_FILE
 from ..loading import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
 from ..loading import find_weight_files as _weight_files
 from ..units import format_bytes
+from .lazytensor import LazyTensor
 
 MASTER_FILE = "lazytrain_master.safetensors"
 
@@ -160,9 +161,11 @@ def unsaved_masters(handle, updater) -> dict[str, torch.Tensor]:
     return {n: t if isinstance(t, LazyTensor) else t.detach() for n, t in separate_masters(handle, updater).items()}
 
 
-def restore_masters(checkpoint: str | None, handle, updater, where: str) -> None:
+def restore_masters(checkpoint: str | None, handle, updater, where: str, in_weights=frozenset()) -> None:
     """Copy the checkpoint's fp32 masters into the host store (`where="store"`, right after attach) or into the
-    optimizer's resident masters (`where="resident"`, when the optimizer is built)."""
+    optimizer's resident masters (`where="resident"`, when the optimizer is built). Names in ``in_weights`` (masters
+    the weights file holds in their own dtype: Note: [A checkpoint holds the model in its own dtype]) are restored
+    from the masters file only when it has them (a checkpoint written before)."""
     path = os.path.join(checkpoint, MASTER_FILE) if checkpoint else None
     if path is None or not os.path.exists(path):
         return
@@ -174,6 +177,8 @@ def restore_masters(checkpoint: str | None, handle, updater, where: str) -> None
     units = {e.name: k for k, ls in handle.store.layers.items() for e in ls.entries} if spill is not None else {}
     with torch.no_grad():
         for name, dst in targets.items():
+            if name not in saved and name in in_weights:
+                continue  # loaded with the weights, in fp32
             if name not in saved or tuple(saved[name].shape) != tuple(dst.shape):
                 raise ValueError(
                     f"checkpoint file {path} has no fp32 master of shape {tuple(dst.shape)} for {name!r}; it was "
@@ -384,13 +389,6 @@ class SafetensorsWriter:
             raise ValueError(f"{self.path}: {len(missing)} declared tensor(s) never written: {missing[:5]}.")
 
 
-class LazyTensor:
-    """A tensor read only when it is written (`write_safetensors`): ``dtype``, ``shape`` and ``read()``."""
-
-    def __init__(self, dtype: torch.dtype, shape: tuple[int, ...], read):
-        self.dtype, self.shape, self.read = dtype, tuple(shape), read
-
-
 def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metadata: dict | None = None) -> None:
     """``safetensors.torch.save_file`` without building the file in memory: each tensor written from its storage
     (a `LazyTensor` read right before it is written)."""
@@ -403,13 +401,15 @@ def write_safetensors(path: str, tensors: list[tuple[str, torch.Tensor]], metada
     w.close()
 
 
-def save_streamed(model, output_dir: str, max_shard_size: int | str = "50GB", read=None) -> None:
+def save_streamed(
+    model, output_dir: str, max_shard_size: int | str = "50GB", read=None, overrides: dict | None = None
+) -> None:
     """`save_pretrained` of a streamed ``model`` with its weights written by `write_model_weights` (Note:
     [Checkpoints are streamed from the host store]): `save_pretrained` writes everything but the weights (config,
     generation config, custom code) from an empty state dict, then the weights replace its empty weights file."""
     os.makedirs(output_dir, exist_ok=True)
     model.save_pretrained(output_dir, state_dict={}, is_main_process=True, max_shard_size=max_shard_size)
-    write_model_weights(model, output_dir, max_shard_size=max_shard_size, read=read)
+    write_model_weights(model, output_dir, max_shard_size=max_shard_size, read=read, overrides=overrides)
 
 
 def streams_weights(model) -> bool:
@@ -453,7 +453,7 @@ def _converted_group(model, sd: dict[str, torch.Tensor], names: list[str]) -> li
 
 
 def _group_values(
-    sd: dict[str, torch.Tensor], names: list[str], params: dict[str, torch.Tensor], read=None
+    sd: dict[str, torch.Tensor], names: list[str], params: dict[str, torch.Tensor], read=None, overrides=None
 ) -> dict[str, torch.Tensor]:
     """``sd`` with the group's values that are not in RAM read now (one layer at a time): parameters left on disk
     (a `DiskSource`), and what ``read(names)`` returns (the units whose state is on NVMe during training)."""
@@ -471,18 +471,28 @@ def _group_values(
         vals = source.read([key for _, key in pairs])
         for n, key in pairs:
             out[n] = vals[key]
+    for n in names:  # Note: [A checkpoint holds the model in its own dtype] in training/saved_weights.py
+        if overrides and n in overrides:
+            v = overrides[n]
+            out[n] = v.read() if isinstance(v, LazyTensor) else v
     return out
 
 
-def write_model_weights(model, output_dir: str, max_shard_size: int | str = "50GB", read=None) -> list[str]:
+def write_model_weights(
+    model, output_dir: str, max_shard_size: int | str = "50GB", read=None, overrides: dict | None = None
+) -> list[str]:
     """Write ``model``'s weights as `save_pretrained` would (names, format, sharding, index) into ``output_dir``,
     one decoder layer at a time from wherever each parameter lives (Note: [Checkpoints are streamed from the host
     store]): RAM, a `DiskSource`, or ``read(names)`` (values the caller supplies, e.g. `NvmeState.read_values`).
-    Returns the files written."""
+    ``overrides``: values (tensors or `LazyTensor`) written instead of the state dict's, in their own dtype (Note:
+    [A checkpoint holds the model in its own dtype] in training/saved_weights.py). Returns the files written."""
     from huggingface_hub.serialization._base import parse_size_to_int
 
     limit = parse_size_to_int(max_shard_size) if isinstance(max_shard_size, str) else int(max_shard_size)
     sd = model.state_dict()
+    for n, v in (overrides or {}).items():
+        if n in sd:  # dtype and shape for the header; the value is read when its group is written
+            sd[n] = torch.empty(v.shape, dtype=v.dtype, device="meta") if isinstance(v, LazyTensor) else v
     params = dict(model.named_parameters(remove_duplicate=False))
     groups = _weight_groups(model)
     # pass 1: names, dtypes and shapes of what each group writes (the conversion on meta tensors)
@@ -512,7 +522,7 @@ def write_model_weights(model, output_dir: str, max_shard_size: int | str = "50G
         w = SafetensorsWriter(os.path.join(output_dir, fname), specs, {"format": "pt"})
         try:
             for gi in members:
-                vals = _group_values(sd, groups[gi], params, read)
+                vals = _group_values(sd, groups[gi], params, read, overrides)
                 for key, t in _converted_group(model, vals, groups[gi]):  # one layer materialised at a time
                     w.write(key, t)
                     weight_map[key] = fname
