@@ -161,3 +161,25 @@ def test_stage_model_and_simulator_agree_on_offloaded_plan_memory():
     print(f"stage model {ev.peak_gpu_bytes / 2**30:.3f} GiB, simulated {sim.peak_gpu_bytes / 2**30:.3f} GiB")
     assert ev.peak_gpu_bytes <= gpu
     assert sim.peak_gpu_bytes == pytest.approx(ev.peak_gpu_bytes, rel=0.05)
+
+
+def test_start_candidates_keep_no_unit_with_state_on_nvme_resident():
+    """A start the MILP settles on must be a point of its model: a unit whose training state is on NVMe is never
+    resident there (`CostModel.with_state_nvme`), so a warm start that keeps one resident (the plan made before the
+    state was placed on NVMe, as `plan_for_model` hands it over) is no candidate, however well it fits."""
+    from lazytrain_hf.planner.warmstart import start_candidates
+
+    cm = CostModel.from_config(get_config("qwen2.5-7b"), "h200", 1024, 1).with_state_nvme(range(4))
+    budget = 2**50  # everything fits: only the NVMe rule can exclude the warm start
+    warm = baseline_plan("keep_all", cm)
+    for lp in warm.layers:
+        lp.resident = True
+    warm.source = "warm"
+    cands = start_candidates(cm, budget, budget, budget, ("gpu", "cpu"), (warm,))
+    assert cands, "no start candidate at all"
+    bad = [(p.source, lp.index) for p in cands for lp in p.layers if lp.resident and lp.index in cm.state_nvme]
+    assert not bad, f"candidates keep units with state on NVMe resident: {bad[:5]}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = milp.solve(cm, budget, budget, budget, ("gpu", "cpu"), time_limit=10, warm_start=warm)
+    assert not any(lp.resident for lp in plan.layers if lp.index in cm.state_nvme), plan.solver

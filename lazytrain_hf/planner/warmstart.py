@@ -28,8 +28,8 @@ def start_candidates(
 ) -> list[Plan]:
     """The plans a solve of ``cm`` may start from, fastest first (by `evaluate_plan`, with the optimizer overlapping
     the next forward as in every MILP plan): ``plans`` (the caller's warm start, the coarse solve, the heuristic)
-    and the baselines of `BASELINES`, each kept only when it has the model's layers and fits the budgets using the
-    allowed tiers only. The first one the model accepts is its warm start."""
+    and the baselines of `BASELINES`, each kept only when it has the model's layers, fits the budgets using the
+    allowed tiers only and keeps no unit whose state is on NVMe resident (`CostModel.with_state_nvme`). The first one the model accepts is its warm start."""
     out: list[tuple[float, int, Plan]] = []
     cands = [p for p in plans if p is not None]
     for name in BASELINES:
@@ -37,6 +37,8 @@ def start_candidates(
     for n, plan in enumerate(cands):
         if plan.num_layers != cm.num_layers or not plan.tiers_used() <= set(allowed_tiers):
             continue
+        if any(lp.resident and lp.index in cm.state_nvme for lp in plan.layers):
+            continue  # a unit whose state is on NVMe is never resident: not a point of the model
         plan = Plan.from_dict(plan.to_dict())
         plan.optimizer_overlap = True
         plan.micro_batch_size, plan.seq_len = cm.micro_batch_size, cm.seq_len
