@@ -54,7 +54,7 @@ def traced_run(model_type: str, plan: Plan, ga: int, dtype: torch.dtype, **extra
 
 
 def check_trace(case) -> None:
-    model_type, plan, ga, dtype = case
+    model_type, plan, ga, dtype = case[:4]  # the trace does not depend on what is frozen (cases() draws it too)
     trace, written = traced_run(model_type, plan, ga, dtype)
     predicted = written["predicted"]["bytes_per_step"]
     assert len(trace["steps"]) == STEPS
@@ -260,7 +260,7 @@ def test_issue_order_follows_the_schedule(case):
     its order inside the stage: the simulator replays what the executor does."""
     from lazytrain_hf.planner import schedule
 
-    model_type, plan, ga, dtype = case
+    model_type, plan, ga, dtype = case[:4]  # the trace does not depend on what is frozen (cases() draws it too)
     plan.optimizer_overlap = False
     trace, written = traced_run(model_type, plan, 1, dtype)
     expected = [
