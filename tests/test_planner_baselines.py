@@ -15,7 +15,7 @@ from test_streaming import assert_grads_equal, plain_grads
 from lazytrain_hf import models
 from lazytrain_hf.planner import baselines, milp
 from lazytrain_hf.planner.costmodel import CostModel
-from lazytrain_hf.planner.stages import _fits, evaluate_plan
+from lazytrain_hf.planner.stages import evaluate_plan, fits_budgets
 from lazytrain_hf.planner.zoo import get_config
 from lazytrain_hf.streaming import attach
 
@@ -38,7 +38,7 @@ def test_published_7b_batch_158_fits_80gb():
     assert plan.predicted["peak_gpu_bytes"] == ev.peak_gpu_bytes
     assert baselines.fits(plan, cm, 80 * GB - CUDA_CONTEXT, 0)
     # the stage model's reading of the same plan (our executor: a whole block's saved tensors at once) does not fit
-    assert not _fits(evaluate_plan(plan, cm), 80 * GB - CUDA_CONTEXT, 0, 0)
+    assert not fits_budgets(evaluate_plan(plan, cm), 80 * GB - CUDA_CONTEXT, 0, 0)
     assert baselines.max_batch_size("megatrain", cm, 80 * GB - CUDA_CONTEXT, 0, max_batch=512) >= 158
 
 

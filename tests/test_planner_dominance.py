@@ -16,10 +16,10 @@ from lazytrain_hf.planner import milp
 from lazytrain_hf.planner.baselines import BASELINES, baseline_plan
 from lazytrain_hf.planner.costmodel import CostModel
 from lazytrain_hf.planner.dominance import dominance_record
-from lazytrain_hf.planner.formulation import GIB, _build, _extract, _warm_start
+from lazytrain_hf.planner.formulation import GIB, build_milp, extract_plan, set_warm_start
 from lazytrain_hf.planner.plan import Plan
 from lazytrain_hf.planner.simulate import simulate
-from lazytrain_hf.planner.solver import _solve
+from lazytrain_hf.planner.solver import run_solver
 from lazytrain_hf.planner.stages import evaluate_plan
 from lazytrain_hf.planner.zoo import ZOO_MODELS, get_config
 
@@ -53,17 +53,17 @@ def test_every_baseline_is_a_point_of_the_milp(name, point):
     tiers = tuple(sorted(plan.tiers_used()))
     host = max(ev.pinned_host_bytes, 1)
     for objective in ("time", "memory"):
-        model = _build(cm, ev.peak_gpu_bytes, host, 0, tiers, 2, objective)
-        assert _warm_start(model, plan, 2, cm), f"{name} is not a point of the MILP"
+        model = build_milp(cm, ev.peak_gpu_bytes, host, 0, tiers, 2, objective)
+        assert set_warm_start(model, plan, 2, cm), f"{name} is not a point of the MILP"
         fix_start(model)
-        rep = _solve(model.prob, "highs", 60, 0.0, warm=False)
+        rep = run_solver(model.prob, "highs", 60, 0.0, warm=False)
         assert rep["status"] == "optimal", rep
         if objective == "time":
             assert rep["objective"] == pytest.approx(ev.step_time_s, rel=1e-7)
             assert ev.step_time_s <= evaluate_plan(plan, cm).step_time_s
             if plan.optimizer_overlap:
                 assert ev.step_time_s == evaluate_plan(plan, cm).step_time_s
-            got = _extract(model, cm, "milp")
+            got = extract_plan(model, cm, "milp")
             assert got.checkpoint_every == plan.checkpoint_every
             assert [(lp.policy, lp.tier, lp.resident) for lp in got.layers] == [
                 (lp.policy, lp.tier, lp.resident) for lp in plan.layers

@@ -81,19 +81,19 @@ def enumerate_plans(cm: CostModel, lookahead: int | None):
     for i in range(L):
         choices = []
         for o in OPTS:
-            reloads = milp._reload_stages(L, i, o, lookahead or 1) if milp._offloaded_bytes_needed(o) else [1]
+            reloads = milp.reload_aheads(L, i, o, lookahead or 1) if milp.has_offloaded_bytes(o) else [1]
             if not reloads:
                 continue
             if lookahead is None:
                 reloads = [min(1, max(reloads))]
             for res in (False, True):
-                f_opts = [1] if lookahead is None else milp._fetch_fwd_aheads(i, lookahead)
+                f_opts = [1] if lookahead is None else milp.fetch_fwd_aheads(i, lookahead)
                 b_opts = [1] if (res or lookahead is None) else list(range(lookahead + 1))
                 for af, ab, ar in itertools.product(f_opts, b_opts, reloads):
                     choices.append((o, res, af, ab, ar))
         per_layer.append(choices)
     for combo in itertools.product(*per_layer):
-        yield milp._make_plan(
+        yield milp.plan_from_options(
             cm,
             [c[0] for c in combo],
             [c[1] for c in combo],
@@ -201,7 +201,7 @@ def test_time_limit_without_incumbent_falls_back_to_heuristic(monkeypatch):
             "solver_result": "Stopped on time (no integer solution)",
         }
 
-    monkeypatch.setattr(milp, "_solve", no_result)
+    monkeypatch.setattr(milp, "run_solver", no_result)
     with pytest.warns(UserWarning, match="heuristic"):
         plan = milp.solve(cm, gpu_budget=12 * GB, host_budget=3 * GB, solver="cbc")
     assert plan.source == "heuristic" and plan.solver["status"].startswith("heuristic")

@@ -11,7 +11,7 @@ import pytest
 
 from lazytrain_hf.planner import milp
 from lazytrain_hf.planner.costmodel import CostModel
-from lazytrain_hf.planner.formulation import _build
+from lazytrain_hf.planner.formulation import build_milp
 from lazytrain_hf.planner.highs_run import model_arrays, run_bounded
 from lazytrain_hf.planner.zoo import ZooConfig, get_config
 
@@ -60,7 +60,7 @@ def test_presolve_that_runs_on_is_bounded():
     under a 22 s limit (See Note: [HiGHS presolve ignores the time limit]). Bounded now: presolve is given up, the
     solve restarted without it, and the solve ends by its limit with a plan and its proven gap."""
     cm = CostModel.from_config(QWEN3_235B, "h200", 8192, 4)
-    model = _build(cm, H200_GPU, H200_HOST, 0, ("gpu", "cpu"), 2, "time")
+    model = build_milp(cm, H200_GPU, H200_HOST, 0, ("gpu", "cpu"), 2, "time")
     limit = 12.0
     t0 = time.perf_counter()
     rep = run_bounded(model_arrays(model.prob, warm=False), limit, 0.01)
@@ -78,7 +78,7 @@ def test_worker_stopped_at_the_deadline_keeps_its_incumbent():
     import numpy as np
 
     cm = CostModel.from_config(QWEN3_235B, "h200", 8192, 4)  # ~10 s to a 1% gap without presolve
-    model = _build(cm, H200_GPU, H200_HOST, 0, ("gpu", "cpu"), 2, "time")
+    model = build_milp(cm, H200_GPU, H200_HOST, 0, ("gpu", "cpu"), 2, "time")
     arrays = model_arrays(model.prob, warm=False)
     t0 = time.perf_counter()
     rep = run_bounded(arrays, 3.0, 0.0, presolve=False)  # gap 0: not proven within 3 s on this model
@@ -102,10 +102,10 @@ def test_warm_start_reaches_highs():
     gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
     start = milp.heuristic_plan(cm, gpu, host, 0, ("gpu", "cpu"))
     assert start is not None
-    model = _build(cm, gpu, host, 0, ("gpu", "cpu"), 2, "time")
-    from lazytrain_hf.planner.formulation import _warm_start
+    model = build_milp(cm, gpu, host, 0, ("gpu", "cpu"), 2, "time")
+    from lazytrain_hf.planner.formulation import set_warm_start
 
-    assert _warm_start(model, start, 2)
+    assert set_warm_start(model, start, 2)
     rep = run_bounded(model_arrays(model.prob, warm=True), 60.0, 0.5)  # gap 50%: the start is good enough
     assert rep["has_solution"], rep
     assert rep["objective"] <= milp.evaluate_plan(start, cm).step_time_s * (1 + 1e-6)
@@ -126,7 +126,7 @@ def test_fallback_is_reported_with_its_reason(monkeypatch):
             "solver_result": "Time limit reached (worker stopped at the deadline, no solution yet)",
         }
 
-    monkeypatch.setattr(milp, "_solve", no_result)
+    monkeypatch.setattr(milp, "run_solver", no_result)
     with pytest.warns(milp.PlannerFallbackWarning, match="no solution yet"):
         plan = milp.solve(cm, solver="highs", time_limit=5)
     assert plan.source == "heuristic" and plan.solver["status"] == "heuristic (no_solution)"
@@ -140,7 +140,7 @@ def test_lookahead2_never_worse_than_its_lookahead1_start(monkeypatch):
 
     cm = CostModel.from_config(get_config("qwen3-8b"), "h800", 1024, 4)
     gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
-    real = milp._solve
+    real = milp.run_solver
 
     def weak(prob, name, time_limit, gap, warm, threads=None):
         if prob.name != "lazytrain_step_time" or not any(v.name.startswith("yB_0_2") for v in prob.variables()):
@@ -155,7 +155,7 @@ def test_lookahead2_never_worse_than_its_lookahead1_start(monkeypatch):
         return dict(rep, status="time_limit", solver_result="Time limit reached")
 
     l1 = milp.solve(cm, gpu, host, solver="highs", lookahead=1, gap=0.0, time_limit=30)
-    monkeypatch.setattr(milp, "_solve", weak)
+    monkeypatch.setattr(milp, "run_solver", weak)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         l2 = milp.solve(cm, gpu, host, solver="highs", lookahead=2, gap=0.0, time_limit=60)

@@ -105,7 +105,7 @@ def test_solver_failure_falls_back_to_heuristic_and_trains(tmp_path, monkeypatch
         return {"status": "error", "has_solution": False, "solver_result": "solver crashed", "gap": None,
                 "seconds": 0.0, "name": "broken", "objective": None}
 
-    monkeypatch.setattr(milp, "_solve", broken_solve)
+    monkeypatch.setattr(milp, "run_solver", broken_solve)
     tr = make_trainer(tmp_path, max_steps=2, planner_policy="milp", planner_gpu_budget=400_000)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")

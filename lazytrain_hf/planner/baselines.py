@@ -68,10 +68,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .costmodel import CostModel, _gated_attention, _inner_width, _rmsnorm_saved
+from .costmodel import CostModel, gated_attention, inner_width
+from .memterms import rmsnorm_saved
 from .plan import LayerPlan, Plan
 from .search import max_feasible_batch
-from .stages import _fits, evaluate_plan
+from .stages import evaluate_plan, fits_budgets
 
 BASELINES: tuple[str, ...] = (
     "megatrain",
@@ -165,8 +166,8 @@ def _megatrain_memory(cm: CostModel, K: int) -> tuple[int, dict[str, int]]:
     fixed = (cm.embed_params + cm.head_params) * db + 2 * max(w, default=0) + 2 * sum(groups.values())
     # ---- per batch
     n_ckpt = math.ceil(L / K) + 1  # `checkpoints[i]` for i % K == 0, plus `checkpoints[L]`; kept until backward ends
-    one_plus = _gated_attention(cfg)
-    norm_graph = x + _rmsnorm_saved(N, d, db, one_plus)  # an RMSNorm's output and what it saves (x32, rsqrt, normed)
+    one_plus = gated_attention(cfg)
+    norm_graph = x + rmsnorm_saved(N, d, db, one_plus)  # an RMSNorm's output and what it saves (x32, rsqrt, normed)
     # `hidden = ctx.norm_gpu(hidden)` after the forward loop runs with grad and is never freed before the function
     # returns: its output and saved tensors stay for the whole backward.
     leftover = norm_graph
@@ -193,7 +194,7 @@ def _megatrain_memory(cm: CostModel, K: int) -> tuple[int, dict[str, int]]:
         block = range(j0, min(j0 + K, L))
         for p, i in enumerate(block):
             lc = cm.layers[i]
-            act = _inner_width(cfg, lc.kind) * (int(cfg.num_experts_per_tok) if "+moe" in lc.kind else 1)
+            act = inner_width(cfg, lc.kind) * (int(cfg.num_experts_per_tok) if "+moe" in lc.kind else 1)
             ws_b = lc.ws_bwd_bytes - 3 * N * act * db
             g_prev = w[i + 1] if i + 1 < L else cm.head_params * db
             rec = max(rec, (p + 1) * x + lc.ws_fwd_bytes)
@@ -409,7 +410,7 @@ def fits(plan: Plan, cost_model: CostModel, gpu_budget: int, host_budget: int, n
     if plan.source == "baseline:megatrain":
         ev = evaluate_megatrain(cost_model, plan.checkpoint_every)
         return ev.peak_gpu_bytes <= gpu_budget  # no activation goes to pinned host memory or NVMe
-    return _fits(evaluate_plan(plan, cost_model), gpu_budget, host_budget, nvme_budget)
+    return fits_budgets(evaluate_plan(plan, cost_model), gpu_budget, host_budget, nvme_budget)
 
 
 def max_batch_size(

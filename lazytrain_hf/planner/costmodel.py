@@ -31,8 +31,7 @@ from typing import Any
 
 from ..models import layer_kinds
 from .hardware import HardwareProfile, get_profile
-from .memterms import MEMORY_PASSES_BWD, MEMORY_PASSES_FWD  # memory-bound traffic per byte saved (memterms.py)
-from .memterms import rmsnorm_saved as _rmsnorm_saved
+from .memterms import MEMORY_PASSES_BWD, MEMORY_PASSES_FWD, rmsnorm_saved  # memory-bound traffic terms (memterms.py)
 from .plan import POLICIES
 
 ATTN_IMPLEMENTATIONS = ("sdpa", "eager")
@@ -59,8 +58,8 @@ def _dims(config: Any) -> dict[str, int]:
     return dict(d=d, H=H, hd=hd, Hkv=Hkv, hq=H * hd, hkv=Hkv * hd, V=int(config.vocab_size))
 
 
-def _gated_attention(config: Any) -> bool:
-    # Qwen3-Next / Qwen3.5 full attention: q_proj also emits a sigmoid output gate, and q/k norms are (1 + w) RMSNorms.
+def gated_attention(config: Any) -> bool:
+    """Qwen3-Next / Qwen3.5 full attention: q_proj also emits a sigmoid output gate, q/k norms are (1 + w) ones."""
     return config.model_type in ("qwen3_next", "qwen3_5_text", "qwen3_5_moe_text")
 
 
@@ -106,7 +105,7 @@ def layer_param_count(config: Any, kind: str) -> int:
     attn, _, moe = kind.partition("+")
     n = 2 * d  # input_layernorm, post_attention_layernorm
     if attn == "full_attention":
-        q_out = m["hq"] * (2 if _gated_attention(config) else 1)
+        q_out = m["hq"] * (2 if gated_attention(config) else 1)
         n += d * q_out + 2 * d * m["hkv"] + m["hq"] * d
         if _attention_bias(config):
             n += q_out + 2 * m["hkv"] + (d if config.model_type not in ("qwen2", "qwen2_moe") else 0)
@@ -145,10 +144,10 @@ def _attention_core_saved(m: dict[str, int], B: int, T: int, db: int, attn_impl:
 def _full_attention_saved(config: Any, B: int, T: int, db: int, attn_impl: str) -> int:
     m = _dims(config)
     N = B * T
-    gated = _gated_attention(config)
+    gated = gated_attention(config)
     n = 0
     if _has_qk_norm(config):
-        n += _rmsnorm_saved(N * m["H"], m["hd"], db, gated) + _rmsnorm_saved(N * m["Hkv"], m["hd"], db, gated)
+        n += rmsnorm_saved(N * m["H"], m["hd"], db, gated) + rmsnorm_saved(N * m["Hkv"], m["hd"], db, gated)
     n += _attention_core_saved(m, B, T, db, attn_impl)
     if gated:
         # the gate half of q_proj reshaped contiguous and its sigmoid, then o_proj's input (output * gate)
@@ -216,9 +215,9 @@ def layer_saved_bytes(config: Any, kind: str, B: int, T: int, db: int = 2, attn_
     d = int(config.hidden_size)
     N = B * T
     attn, _, moe = kind.partition("+")
-    one_plus = _gated_attention(config)
+    one_plus = gated_attention(config)
     # two decoder RMSNorms and their outputs (inputs of the q/k/v and MLP projections)
-    n = 2 * _rmsnorm_saved(N, d, db, one_plus) + 2 * N * d * db
+    n = 2 * rmsnorm_saved(N, d, db, one_plus) + 2 * N * d * db
     if attn == "full_attention":
         n += _full_attention_saved(config, B, T, db, attn_impl)
     else:
@@ -289,7 +288,7 @@ def layer_compute_terms(
     attn, _, moe = kind.partition("+")
     gemm = attention = linear = experts = 0.0
     if attn == "full_attention":
-        q_out = m["hq"] * (2 if _gated_attention(config) else 1)
+        q_out = m["hq"] * (2 if gated_attention(config) else 1)
         gemm += 2 * N * d * (q_out + 2 * m["hkv"]) + 2 * N * m["hq"] * d
         attention += 2 * B * m["H"] * T * T * m["hd"]  # QK^T and AV (2 * 2 * B * H * T^2 * hd), causal: halved
         kernels = _KERNELS_FULL_ATTENTION
@@ -478,7 +477,7 @@ class CostModel:
             flops = terms["gemm"] + terms["attention"] + terms["linear_attention"] + terms["moe"]
             fwd_s, bwd_s = layer_seconds(terms, hardware)
             x = N * d * dtype_bytes
-            act_inner = _inner_width(config, kind) * (int(config.num_experts_per_tok) if "+moe" in kind else 1)
+            act_inner = inner_width(config, kind) * (int(config.num_experts_per_tok) if "+moe" in kind else 1)
             eager_probs = B * m["H"] * T * T * FP32 if (attn_implementation == "eager" and "full" in kind) else 0
             layers.append(
                 LayerCost(
@@ -692,7 +691,7 @@ class CostModel:
         )
 
 
-def _inner_width(config: Any, kind: str) -> int:
+def inner_width(config: Any, kind: str) -> int:
     """Width of the widest per-token intermediate (MLP / expert intermediate size)."""
     if "+moe" in kind:
         return int(config.moe_intermediate_size)

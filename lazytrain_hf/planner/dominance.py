@@ -21,7 +21,7 @@ from .milp import PlanInfeasibleError, solve
 from .plan import Plan
 from .search import max_feasible_batch
 from .simulate import simulate
-from .stages import _fits, evaluate_plan
+from .stages import evaluate_plan, fits_budgets
 from .zoo import get_config
 
 # Relative slack of the simulated step-time comparison. The MILP minimises the stage model's step time, exactly
@@ -95,7 +95,8 @@ def _sim_fits(
 ) -> tuple[bool, float]:
     """Whether ``plan`` fits, and its simulated step time. ``memory="simulator"``: the simulator's device peak (and
     the stage model's pinned host bytes, which the simulator does not separate from the host state) within the
-    budgets; ``"both"``: that and the stage model's own test (`stages._fits`), i.e. every model we have says it fits.
+    budgets; ``"both"``: that and the stage model's own test (`stages.fits_budgets`), i.e. every model we have says it
+    fits.
 
     Note: [Two memory models of one executor]
     The stage model (what the MILP constrains) and the simulator account some bytes differently (e.g. the head's
@@ -106,7 +107,7 @@ def _sim_fits(
     ev = evaluate_plan(plan, cm)
     ok = sim.peak_gpu_bytes <= gpu_budget and ev.pinned_host_bytes <= host_budget
     if memory == "both":
-        ok = ok and _fits(ev, gpu_budget, host_budget, 0)
+        ok = ok and fits_budgets(ev, gpu_budget, host_budget, 0)
     elif memory != "simulator":
         raise ValueError(f"memory={memory!r} is not one of 'both', 'simulator'.")
     return ok, sim.step_time_s
@@ -115,7 +116,7 @@ def _sim_fits(
 def _misfit(plan: Plan, cm: CostModel, gpu_budget: int, host_budget: int) -> str:
     """A description when ``plan`` fits the stage model's budgets but the simulator's device peak is over budget."""
     ev = evaluate_plan(plan, cm)
-    if not _fits(ev, gpu_budget, host_budget, 0):
+    if not fits_budgets(ev, gpu_budget, host_budget, 0):
         return ""
     sim = simulate(plan, cm)
     if sim.peak_gpu_bytes <= gpu_budget:

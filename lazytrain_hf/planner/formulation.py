@@ -1,17 +1,17 @@
 """The PuLP formulation of the LazyTrain MILP: variables, constraints and objective; warm start; plan extraction.
 
-Owns: `_build` (one commented variable block, one `# [Constraint]` block per rule of the stage model in
+Owns: `build_milp` (one commented variable block, one `# [Constraint]` block per rule of the stage model in
 `stages.py`, the objective: step time, or peak device memory when looking for the smallest GPU budget),
-`_warm_start` (a plan as the solver's initial point) and `_extract` (the solution as a `Plan`). The per-stage
-loads are written as the same sums `stages.evaluate_plan` takes for a fixed plan, so the optimum's objective is
-that plan's evaluated step time.
+`set_warm_start` (a plan as the solver's initial point) and `extract_plan` (the solution as a `Plan`). The
+per-stage loads are written as the same sums `stages.evaluate_plan` takes for a fixed plan, so the optimum's
+objective is that plan's evaluated step time.
 
 The plan space holds block checkpointing too (`Plan.checkpoint_every = K > 1`, MegaTrain's scheme as our executor
 runs it: the input of every K-th layer kept on the device, each block recomputed as a whole, with grad, at its top
 layer's backward stage): one binary ``blk[K]`` per block size in `BLOCK_SIZES`, which replaces every layer's
-per-layer option. So each baseline's plan (`baselines.make_baseline`) is a point of the model (`_warm_start` sets it,
-stage times included, from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports pulp
-only inside its functions and never torch, and does not know the runtime.
+per-layer option. So each baseline's plan (`baselines.make_baseline`) is a point of the model (`set_warm_start` sets
+it, stage times included, from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports
+pulp only inside its functions and never torch, and does not know the runtime.
 
 Note: [Block checkpointing as our executor runs it saves memory only when L / K > A / x]
 Our executor holds the saved tensors of all K layers of a block from its recomputation to their backward (MegaTrain
@@ -31,16 +31,16 @@ from .costmodel import CostModel
 from .plan import Plan
 from .stages import (
     OPTIONS,
-    _allowed_options,
-    _fetch_fwd_aheads,
-    _layer_options,
-    _make_plan,
-    _offloaded_bytes,
-    _offloaded_bytes_needed,
-    _optimizer_finish_times,
-    _option_of,
-    _reload_stages,
     evaluate_plan,
+    fetch_fwd_aheads,
+    has_offloaded_bytes,
+    layer_options,
+    offloaded_bytes,
+    optimizer_finish_times,
+    option_of,
+    options_for_tiers,
+    plan_from_options,
+    reload_aheads,
 )
 
 GIB = 2**30
@@ -80,7 +80,7 @@ def block_sizes(num_layers: int, allowed_options: Sequence[str]) -> list[int]:
     return [K for K in BLOCK_SIZES if K <= num_layers]
 
 
-def _build(
+def build_milp(
     cm: CostModel,
     gpu_budget: int | None,
     host_budget: int,
@@ -91,12 +91,14 @@ def _build(
     allow_resident: bool = True,
     fixed_slotting: bool = False,
 ) -> _Model:
+    """The PuLP model of one step under ``cm``: minimise step time (``objective="time"``) within the budgets, or
+    peak device memory (``"memory"``, ``gpu_budget=None``)."""
     import pulp
 
     L = cm.num_layers
     S = 2 * L + 1
     Bh, Bd, Bnr, Bnw = cm.h2d, cm.d2h, cm.nvme_r, cm.nvme_w
-    allowed = _allowed_options(allowed_tiers)
+    allowed = options_for_tiers(allowed_tiers)
     prob = pulp.LpProblem("lazytrain_step_time" if objective == "time" else "lazytrain_min_memory", pulp.LpMinimize)
 
     # ------------------------------------------------------------------ decision variables
@@ -108,7 +110,7 @@ def _build(
     for i in range(L):
         # options whose backward follows too closely for their tier are left out (See Note: [Recompute on the
         # device when no allowed tier can hold the input])
-        layer_opts = {o: _var(prob, f"opt_{i}_{o}") for o in _layer_options(L, i, allowed)}
+        layer_opts = {o: _var(prob, f"opt_{i}_{o}") for o in layer_options(L, i, allowed)}
         opt.append(layer_opts)
         res.append(_var(prob, f"res_{i}") if allow_resident else None)
         yF.append(
@@ -117,7 +119,7 @@ def _build(
                     _var(prob, f"yFs_{i}_{a}"),
                     _var(prob, f"yFr_{i}_{a}") if allow_resident else None,
                 )
-                for a in _fetch_fwd_aheads(i, lookahead)
+                for a in fetch_fwd_aheads(i, lookahead)
                 if not fixed_slotting or a == min(i, 1)
             }
         )
@@ -126,9 +128,9 @@ def _build(
             {
                 (o, a): _var(prob, f"yR_{i}_{o}_{a}")
                 for o in layer_opts
-                if _offloaded_bytes_needed(o)
-                for a in _reload_stages(L, i, o, lookahead)
-                if not fixed_slotting or a == min(1, max(_reload_stages(L, i, o, lookahead)))
+                if has_offloaded_bytes(o)
+                for a in reload_aheads(L, i, o, lookahead)
+                if not fixed_slotting or a == min(1, max(reload_aheads(L, i, o, lookahead)))
             }
         )
     # blk[K] = 1: block checkpointing every K layers (Plan.checkpoint_every = K), in place of every opt[i][o]; only
@@ -155,7 +157,7 @@ def _build(
                 prob += res[i] == 0, f"state_on_nvme_not_resident_{i}"  # its state is not on the host
         prob += pulp.lpSum(yB[i].values()) == 1 - (res[i] if allow_resident else 0), f"bwd_fetch_unless_resident_{i}"
         for o in opt[i]:
-            if _offloaded_bytes_needed(o):
+            if has_offloaded_bytes(o):
                 prob += pulp.lpSum(v for (oo, _), v in yR[i].items() if oo == o) == opt[i][o], f"one_reload_{i}_{o}"
 
     # ------------------------------------------------------------------ per-stage loads (linear expressions)
@@ -297,7 +299,7 @@ def _build(
             prob += T[s] >= expr(nvr[s], 1 / Bnr) + expr(nvw[s], 1 / Bnw, const_nvw[s]), f"nvme_lane_{s}"
 
     # ------------------------------------------------------------------ [Constraint] tail: optimizer and uploads
-    c_emb, c, c_all = _optimizer_finish_times(cm)
+    c_emb, c, c_all = optimizer_finish_times(cm)
     emb_up = c_emb + cm.embed_bytes / Bh
     prob += T_tail >= emb_up, "tail_embedding_upload"
     if serial:
@@ -324,9 +326,9 @@ def _build(
         for o, v in opt[i].items():
             tier = OPTIONS[o][1]
             if tier == "cpu":
-                pinned_terms.append((_offloaded_bytes(cm, i, o), v))
+                pinned_terms.append((offloaded_bytes(cm, i, o), v))
             elif tier == "nvme":
-                nvme_terms.append((_offloaded_bytes(cm, i, o), v))
+                nvme_terms.append((offloaded_bytes(cm, i, o), v))
     if pinned_terms:
         prob += expr(pinned_terms, 1 / GIB) <= host_budget / GIB, "pinned_host_memory"
     if nvme_terms:
@@ -352,7 +354,8 @@ def _value(v: Any) -> float:
     return 0.0 if x is None else float(x)
 
 
-def _extract(model: _Model, cm: CostModel, source: str) -> Plan:
+def extract_plan(model: _Model, cm: CostModel, source: str) -> Plan:
+    """The solved model's decisions as a `Plan` (``source`` its `Plan.source`)."""
     L = cm.num_layers
     K = next((k for k, z in model.blk.items() if _value(z) > 0.5), 1)
     options, resident, ff, fb, rl = [], [], [], [], []
@@ -364,10 +367,10 @@ def _extract(model: _Model, cm: CostModel, source: str) -> Plan:
         fb.append(max(model.yB[i], key=lambda a: _value(model.yB[i][a])) if not resident[-1] else 1)
         cand = {a: _value(v) for (oo, a), v in model.yR[i].items() if oo == o}
         rl.append(max(cand, key=cand.get) if cand else 1)
-    return _make_plan(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K)
+    return plan_from_options(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K)
 
 
-def _warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None = None) -> bool:
+def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None = None) -> bool:
     """Set initial values from ``plan`` when it is a point of this model; returns whether it was.
 
     With ``cm`` the stage times and the tail are set too (from `evaluate_plan`), so the start is a complete solution:
@@ -383,7 +386,7 @@ def _warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None 
     values: list[tuple[Any, float]] = [(z, 1.0 if k == K else 0.0) for k, z in model.blk.items()]
     for i in range(L):
         lp = plan.layers[i]
-        o = _option_of(lp)
+        o = option_of(lp)
         if K == 1 and o not in model.opt[i]:
             return False
         for k, v in model.opt[i].items():
@@ -404,11 +407,11 @@ def _warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None 
         for a, y in model.yB[i].items():
             values.append((y, 1.0 if (a == lp.fetch_bwd_ahead and not lp.resident) else 0.0))
         # a reload is issued no earlier than its offload allows (clamped as `evaluate_plan` and the executor do)
-        legal = _reload_stages(L, i, o, 2 * L) if _offloaded_bytes_needed(o) else []
+        legal = reload_aheads(L, i, o, 2 * L) if has_offloaded_bytes(o) else []
         aR = min(lp.reload_ahead, max(legal)) if legal else lp.reload_ahead
         for (oo, a), y in model.yR[i].items():
             values.append((y, 1.0 if (oo == o and a == aR and K == 1) else 0.0))
-        if K == 1 and _offloaded_bytes_needed(o) and (o, aR) not in model.yR[i]:
+        if K == 1 and has_offloaded_bytes(o) and (o, aR) not in model.yR[i]:
             return False
     if cm is not None:
         overlapped = Plan.from_dict({**plan.to_dict(), "optimizer_overlap": True})

@@ -16,19 +16,19 @@ from .stages import (
     DEFAULT_LOOKAHEAD,
     OPTIONS,
     Evaluation,
-    _allowed_options,
-    _fits,
-    _layer_options,
-    _make_plan,
-    _offloaded_bytes_needed,
-    _reload_stages,
     evaluate_plan,
+    fits_budgets,
+    has_offloaded_bytes,
+    layer_options,
+    options_for_tiers,
+    plan_from_options,
+    reload_aheads,
 )
 
 
 def _legal_reload(L: int, i: int, option: str, lookahead: int) -> list[int]:
-    if _offloaded_bytes_needed(option):
-        return _reload_stages(L, i, option, lookahead)
+    if has_offloaded_bytes(option):
+        return reload_aheads(L, i, option, lookahead)
     return [1]
 
 
@@ -36,13 +36,13 @@ def min_memory_plan(cm: CostModel, allowed_tiers: Sequence[str] = ("gpu", "cpu")
     """A plan that keeps little on the device: every layer recomputed from an input parked off the device when a
     host tier is allowed, every transfer on demand, nothing resident."""
     L = cm.num_layers
-    allowed = _allowed_options(allowed_tiers)
+    allowed = options_for_tiers(allowed_tiers)
     options = []
     for i in range(L):
-        legal = _layer_options(L, i, allowed)
+        legal = layer_options(L, i, allowed)
         options.append(next((o for o in ("rec_cpu", "rec_nvme", "rec_gpu") if o in legal), legal[0]))
     zeros = [0] * L
-    return _make_plan(cm, options, fetch_fwd=zeros, fetch_bwd=zeros, reload=zeros, source="heuristic")
+    return plan_from_options(cm, options, fetch_fwd=zeros, fetch_bwd=zeros, reload=zeros, source="heuristic")
 
 
 def heuristic_plan(
@@ -61,7 +61,7 @@ def heuristic_plan(
     minimum-memory plan does not fit.
     """
     L = cm.num_layers
-    allowed = _allowed_options(allowed_tiers)
+    allowed = options_for_tiers(allowed_tiers)
 
     ff = [1] * L
     best: tuple[float, Plan] | None = None
@@ -72,9 +72,9 @@ def heuristic_plan(
             if base is None:
                 continue
             opts = [base] * L
-            plan = _make_plan(cm, opts, fetch_fwd=ff, source="heuristic")
+            plan = plan_from_options(cm, opts, fetch_fwd=ff, source="heuristic")
             ev = evaluate_plan(plan, cm)
-            if _fits(ev, gpu_budget, host_budget, nvme_budget):
+            if fits_budgets(ev, gpu_budget, host_budget, nvme_budget):
                 best = (ev.step_time_s, plan)
                 break
             continue
@@ -83,18 +83,18 @@ def heuristic_plan(
             opts = []
             for i in range(L):
                 o = saver if i < n else (base or saver)
-                legal = _layer_options(L, i, allowed)
+                legal = layer_options(L, i, allowed)
                 if o not in legal:  # the same policy on another tier, else what the layer can take
                     same = [x for x in legal if OPTIONS[x][0] == OPTIONS[o][0]]
                     o = base if base in legal else (same or legal)[0]
                 opts.append(o)
             reload = [max(_legal_reload(L, i, opts[i], DEFAULT_LOOKAHEAD) or [0]) for i in range(L)]
-            return _make_plan(cm, opts, fetch_fwd=ff, reload=[min(1, r) for r in reload], source="heuristic")
+            return plan_from_options(cm, opts, fetch_fwd=ff, reload=[min(1, r) for r in reload], source="heuristic")
 
         def ok(n: int) -> tuple[bool, Plan, Evaluation]:
             p = build(n)
             ev = evaluate_plan(p, cm)
-            return _fits(ev, gpu_budget, host_budget, nvme_budget), p, ev
+            return fits_budgets(ev, gpu_budget, host_budget, nvme_budget), p, ev
 
         good, p, ev = ok(L)
         if not good:
@@ -112,7 +112,7 @@ def heuristic_plan(
     if best is None:
         p = min_memory_plan(cm, allowed_tiers)
         ev = evaluate_plan(p, cm)
-        if not _fits(ev, gpu_budget, host_budget, nvme_budget):
+        if not fits_budgets(ev, gpu_budget, host_budget, nvme_budget):
             return None
         best = (ev.step_time_s, p)
     step, plan = best
@@ -120,7 +120,7 @@ def heuristic_plan(
     for i in reversed(range(L)):
         plan.layers[i].resident = True
         ev = evaluate_plan(plan, cm)
-        if _fits(ev, gpu_budget, host_budget, nvme_budget) and ev.step_time_s < step - 1e-12:
+        if fits_budgets(ev, gpu_budget, host_budget, nvme_budget) and ev.step_time_s < step - 1e-12:
             step = ev.step_time_s
         else:
             plan.layers[i].resident = False

@@ -13,7 +13,7 @@ Each part of the MILP lives in its own module, and this one re-exports the names
     solver.py       the backend: CBC / HiGHS, time limit, gap, status read from the solver itself
     search.py       searches over the micro-batch size (largest feasible, fastest of a few)
 
-Every solve of the planner calls the backend as this module's ``_solve`` (tests replace it to play a failing
+Every solve of the planner calls the backend as this module's ``run_solver`` (tests replace it to play a failing
 solver). Imports neither torch nor pulp itself and does not know the runtime: it returns a `Plan`, which the
 trainer carries out.
 """
@@ -26,23 +26,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from .costmodel import CostModel
-from .formulation import _build, _extract, _warm_start
+from .formulation import build_milp, extract_plan, set_warm_start
 from .hardware import HardwareProfile, get_profile
 from .heuristics import heuristic_plan, min_memory_plan
 from .outcome import PlannerFallbackWarning, settle
 from .plan import Plan
 from .search import batch_candidates, fastest_plan, max_feasible_batch
-from .solver import SOLVERS, _resolve_solver, _solve
+from .solver import SOLVERS, resolve_solver, run_solver
 from .stages import (
     DEFAULT_LOOKAHEAD,
     OPTIONS,
     Evaluation,
-    _fetch_fwd_aheads,
-    _fits,
-    _make_plan,
-    _offloaded_bytes_needed,
-    _reload_stages,
     evaluate_plan,
+    fetch_fwd_aheads,
+    fits_budgets,
+    has_offloaded_bytes,
+    plan_from_options,
+    reload_aheads,
 )
 from .warmstart import start_candidates
 
@@ -63,14 +63,15 @@ __all__ = [
     "heuristic_plan",
     "max_feasible_batch",
     "min_memory_plan",
-    # private helpers that the CLI, the baselines and the tests reach through this module
-    "_fetch_fwd_aheads",
-    "_fits",
-    "_make_plan",
-    "_offloaded_bytes_needed",
-    "_reload_stages",
+    # stage-model and solver helpers that the tests reach through this module
+    "fetch_fwd_aheads",
+    "fits_budgets",
+    "has_offloaded_bytes",
+    "plan_from_options",
+    "reload_aheads",
+    "run_solver",
+    # private helper that the CLI and the tests reach through this module
     "_resolve_config",
-    "_solve",
 ]
 
 
@@ -132,7 +133,7 @@ def solve(
     if lookahead < 0:
         raise ValueError(f"lookahead={lookahead} must be >= 0 (2 is the default).")
     allowed_tiers = _usable_tiers(allowed_tiers, nvme_budget)
-    name = _resolve_solver(solver)
+    name = resolve_solver(solver)
     t_start = time.perf_counter()  # every solver call below shares the one time limit
     heuristic = heuristic_plan(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers)
     if heuristic is None:
@@ -140,7 +141,7 @@ def solve(
         heuristic = _min_memory_solution(
             cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit / 4, threads
         )
-        if heuristic is None or not _fits(evaluate_plan(heuristic, cm), gpu_budget, host_budget, nvme_budget):
+        if heuristic is None or not fits_budgets(evaluate_plan(heuristic, cm), gpu_budget, host_budget, nvme_budget):
             raise _infeasible(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
     coarse = None
     if lookahead >= 2 and not fixed_slotting:
@@ -154,7 +155,7 @@ def solve(
             )  # fmt: skip
         if coarse.source != "milp":
             coarse = None
-    model = _build(
+    model = build_milp(
         cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, "time", allow_resident, fixed_slotting
     )
     # the fastest plan we hold that fits (caller's, coarse, heuristic, every baseline) and is a point of the model
@@ -162,10 +163,10 @@ def solve(
     candidates = start_candidates(
         cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, (warm_start, coarse, heuristic)
     )
-    start = next((c for c in candidates if _warm_start(model, c, lookahead, cm)), None)
+    start = next((c for c in candidates if set_warm_start(model, c, lookahead, cm)), None)
     remaining = time_limit - _since(t_start)
     if remaining >= _MIN_SOLVE_S:
-        rep = _solve(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
+        rep = run_solver(model.prob, name, remaining, gap, warm=start is not None, threads=threads)
     else:  # the earlier solves took the time: what they found is the answer (said so by `settle`)
         rep = {"status": "no_solution", "has_solution": False, "solver_result": "no time left for the full model"}
     rep["seconds"] = _since(t_start)
@@ -176,7 +177,9 @@ def solve(
         rep["has_solution"] = False
     # Note: [A solve never returns worse than what it started from] (outcome.py): every candidate fits, and the
     # baselines are among them (`warmstart.start_candidates`)
-    plan = settle(_extract(model, cm, "milp") if rep["has_solution"] else None, rep, candidates, cm, name, time_limit)
+    plan = settle(
+        extract_plan(model, cm, "milp") if rep["has_solution"] else None, rep, candidates, cm, name, time_limit
+    )
     plan.solver["lookahead"] = 1 if fixed_slotting else lookahead
     plan.solver["start"] = start.source if start is not None else None
     return plan
@@ -240,11 +243,11 @@ def _min_memory_solution(
     threads: int | None = None,
 ) -> Plan | None:
     """The plan of least peak device memory within the host / NVMe budgets (``None``: the solver found none)."""
-    model = _build(cm, None, host_budget, nvme_budget, allowed_tiers, lookahead, objective="memory")
-    rep = _solve(model.prob, _resolve_solver(solver), time_limit, 0.0, warm=False, threads=threads)
+    model = build_milp(cm, None, host_budget, nvme_budget, allowed_tiers, lookahead, objective="memory")
+    rep = run_solver(model.prob, resolve_solver(solver), time_limit, 0.0, warm=False, threads=threads)
     if not rep["has_solution"]:
         return None
-    return _extract(model, cm, "heuristic")
+    return extract_plan(model, cm, "heuristic")
 
 
 def _infeasible(
@@ -289,7 +292,7 @@ def milp_feasible(
 ) -> bool:
     """Whether any plan of the MILP fits the budgets (fast path: the minimum-memory schedule fits)."""
     quick = evaluate_plan(min_memory_plan(cm, allowed_tiers), cm)
-    if _fits(quick, gpu_budget, host_budget, nvme_budget):
+    if fits_budgets(quick, gpu_budget, host_budget, nvme_budget):
         return True
     need = min_gpu_budget(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit)
     return need is not None and need <= gpu_budget

@@ -42,7 +42,7 @@ def settle(
 
     Args:
         solved: the plan extracted from the solver's solution, or None when it has none.
-        rep: the solver's report (`solver._solve`).
+        rep: the solver's report (`solver.run_solver`).
         held: plans that fit the budgets, held before the solve ran (warm start, lookahead-1, heuristic).
         time_limit: the solve's time limit (named in the messages).
     """

@@ -1,8 +1,8 @@
 """The solver backend: which MILP solver runs (CBC or HiGHS), under what settings, and what it says it found.
 
-Owns: `SOLVERS` and `_resolve_solver` (``auto``: HiGHS when ``highspy`` is installed, else PuLP's bundled CBC),
-and `_solve`, which runs a built PuLP problem with the time limit, relative gap, warm start and thread count given
-explicitly and quiet output, and reports status, gap, objective and bound read from the solver itself (CBC's log,
+Owns: `SOLVERS` and `resolve_solver` (``auto``: HiGHS when ``highspy`` is installed, else PuLP's bundled CBC),
+and `run_solver`, which runs a built PuLP problem with the time limit, relative gap, warm start and thread count
+given explicitly and quiet output, and reports status, gap, objective and bound read from the solver itself (CBC's log,
 HiGHS' info), not only PuLP's summary. HiGHS runs in a child process that ends by the time limit, presolve
 included (`highs_run.py`, Note: [HiGHS presolve ignores the time limit]), with the warm start handed over through
 ``Highs.setSolution``. Never raises on an infeasible or unsolved problem: it reports, and `solve`
@@ -22,7 +22,8 @@ from typing import Any
 SOLVERS = ("auto", "cbc", "highs")
 
 
-def _resolve_solver(solver: str) -> str:
+def resolve_solver(solver: str) -> str:
+    """The backend that ``solver`` (one of `SOLVERS`) names: ``"cbc"`` or ``"highs"``."""
     if solver not in SOLVERS:
         raise ValueError(f"solver={solver!r} is not supported; use one of {SOLVERS}.")
     if solver == "cbc":
@@ -43,7 +44,7 @@ _CBC_BOUND = re.compile(r"^Lower bound:\s+([-+0-9.eE]+)", re.M)
 _CBC_GAP = re.compile(r"^Gap:\s+([-+0-9.eE]+)", re.M)
 
 
-def _solve(
+def run_solver(
     prob: Any, solver: str, time_limit: float, gap: float, warm: bool, threads: int | None = None
 ) -> dict[str, Any]:
     """Run the solver on the PuLP problem ``prob``; return ``{"status", "has_solution", "gap", "objective", "bound",

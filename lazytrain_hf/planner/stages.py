@@ -1,11 +1,11 @@
 """The stage model of one training step, and the exact evaluation of a plan under it.
 
-Owns: the per-layer options (`OPTIONS`: activation policy x where its saved bytes live; `_layer_options`: those a
+Owns: the per-layer options (`OPTIONS`: activation policy x where its saved bytes live; `layer_options`: those a
 layer can take), the legal transfer slots of each option, `evaluate_plan` (step time, memory at every stage and
-predictions of a fixed plan), the budget test `_fits`, and `_make_plan` (options and slots -> `Plan`). The MILP
-(`formulation.py`), the heuristics and the brute-force tests all read a plan through this model; the simulator
-(`simulate.py`) is the independent referee and does not use it. Pure arithmetic on a `CostModel`: imports neither
-torch nor pulp, knows no solver and not the runtime.
+predictions of a fixed plan), the budget test `fits_budgets`, and `plan_from_options` (options and slots -> `Plan`).
+The MILP (`formulation.py`), the heuristics and the brute-force tests all read a plan through this model; the
+simulator (`simulate.py`) is the independent referee and does not use it. Pure arithmetic on a `CostModel`: imports
+neither torch nor pulp, knows no solver and not the runtime.
 
 A step is the stages ``s = 0 .. 2L``: ``F_i = i``, ``H = L``, ``B_i = 2L - i``, then a tail ``tail`` between the
 end of ``B_0`` and the start of the next step's ``F_0``. Within a stage the lanes overlap:
@@ -52,13 +52,14 @@ OPTIONS: dict[str, tuple[str, str]] = {
 
 
 # ------------------------------------------------------------------------------------------------ helpers
-def _option_of(lp: LayerPlan) -> str:
+def option_of(lp: LayerPlan) -> str:
+    """The option (a key of `OPTIONS`) that layer plan ``lp`` takes."""
     if lp.policy == "recompute":
         return {"gpu": "rec_gpu", "cpu": "rec_cpu", "nvme": "rec_nvme"}[lp.input_tier]
     return lp.policy
 
 
-def _offloaded_bytes(cm: CostModel, i: int, option: str) -> int:
+def offloaded_bytes(cm: CostModel, i: int, option: str) -> int:
     """Bytes of layer i that leave the device after its forward and come back before its backward."""
     lc = cm.layers[i]
     if option in ("offload_cpu", "offload_nvme"):
@@ -68,11 +69,12 @@ def _offloaded_bytes(cm: CostModel, i: int, option: str) -> int:
     return 0
 
 
-def _offloaded_bytes_needed(option: str) -> bool:
+def has_offloaded_bytes(option: str) -> bool:
+    """Whether ``option`` moves bytes off the device after forward (to cpu or nvme) and reloads them for backward."""
     return OPTIONS[option][1] != "gpu"
 
 
-def _reload_stages(L: int, i: int, option: str, lookahead: int) -> list[int]:
+def reload_aheads(L: int, i: int, option: str, lookahead: int) -> list[int]:
     """Allowed ahead-values ``a`` of the reload for ``B_i``: after the offload (cpu: D2H at F_{i+1}; nvme: write at
     F_{i+2}, read one stage before the H2D)."""
     sB = 2 * L - i
@@ -81,7 +83,7 @@ def _reload_stages(L: int, i: int, option: str, lookahead: int) -> list[int]:
     return [a for a in range(lookahead + 1) if sB - a >= earliest]
 
 
-def _layer_options(L: int, i: int, allowed: Sequence[str]) -> list[str]:
+def layer_options(L: int, i: int, allowed: Sequence[str]) -> list[str]:
     """The options of ``allowed`` layer i can take: those whose reload has a legal stage.
 
     Note: [Recompute on the device when no allowed tier can hold the input]
@@ -91,11 +93,12 @@ def _layer_options(L: int, i: int, allowed: Sequence[str]) -> list[str]:
     (``rec_gpu``): the D2H during the head and the reload at ``B_{L-1}`` would keep the same bytes allocated at
     every stage, at the cost of a write and a read. ``activation_tiers=["nvme"]`` therefore still plans.
     """
-    legal = [o for o in allowed if not _offloaded_bytes_needed(o) or _reload_stages(L, i, o, 0)]
+    legal = [o for o in allowed if not has_offloaded_bytes(o) or reload_aheads(L, i, o, 0)]
     return legal or ["rec_gpu"]
 
 
-def _fetch_fwd_aheads(i: int, lookahead: int) -> list[int]:
+def fetch_fwd_aheads(i: int, lookahead: int) -> list[int]:
+    """Allowed ahead-values ``a`` of the weight fetch for ``F_i``."""
     # Only inside the step: the executor issues a fetch reaching before stage 0 at stage 0 (`Plan.issue_schedule`),
     # so F_0's fetch is on demand, after the update of layer 0.
     return list(range(min(lookahead, i) + 1))
@@ -133,7 +136,7 @@ class Evaluation:
         return out
 
 
-def _optimizer_finish_times(cm: CostModel) -> tuple[float, list[float], float]:
+def optimizer_finish_times(cm: CostModel) -> tuple[float, list[float], float]:
     """When the CPU optimizer finishes, measured from the end of backward: the embedding (after the last gradients
     came down), each layer in order, then the head. Shared by `evaluate_plan` and the MILP's tail constraints."""
     L = cm.num_layers
@@ -175,7 +178,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         i = lp.index
         lc = cm.layers[i]
         sB = 2 * L - i
-        option = _option_of(lp)
+        option = option_of(lp)
         # ---- forward weights (a fetch reaching before stage 0 is issued at stage 0, as the executor does)
         sigma = max(0, i - lp.fetch_fwd_ahead)
         h2d[sigma] += lc.weight_bytes
@@ -202,7 +205,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
             alive(sb, sB, lc.weight_bytes)
         comp[sB] += lc.bwd_s
         # ---- saved activations
-        off = _offloaded_bytes(cm, i, option)
+        off = offloaded_bytes(cm, i, option)
         if K > 1:
             pass  # block checkpointing, handled below
         elif option == "keep":
@@ -213,7 +216,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
             alive(i, i + 1, lc.saved_bytes if option.startswith("offload") else lc.input_bytes)
             d2h[i + 1] += off
             tier = OPTIONS[option][1]
-            ok = _reload_stages(L, i, option, 2 * L)
+            ok = reload_aheads(L, i, option, 2 * L)
             if not ok:
                 raise PlanError(f"layer {i}: {option} is impossible; its backward follows its forward too closely.")
             a = min(lp.reload_ahead, max(ok))  # clamp to the ordering: reload after offload
@@ -270,7 +273,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
             max(od[s] / Bh + comp[s], h2d[s] / Bh, d2h[s] / Bd, nvr[s] / Bnr + nvw[s] / Bnw) for s in range(S)
         ]
     # ---- tail: last gradients down, optimizer in layer order, embedding (+ pre-step fetches) up
-    c_emb, c, c_all = _optimizer_finish_times(cm)
+    c_emb, c, c_all = optimizer_finish_times(cm)
     prefix = [0.0]
     for t in stage_times:
         prefix.append(prefix[-1] + t)
@@ -306,7 +309,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
 
 
 # ------------------------------------------------------------------------------------------------ plans
-def _make_plan(
+def plan_from_options(
     cm: CostModel,
     options: Sequence[str],
     resident: Sequence[bool] | None = None,
@@ -315,6 +318,7 @@ def _make_plan(
     reload: Sequence[int] | None = None,
     **kwargs: Any,
 ) -> Plan:
+    """The `Plan` with per-layer ``options`` and transfer slots (ahead-values; 1 where not given)."""
     L = cm.num_layers
     layers = []
     for i in range(L):
@@ -342,7 +346,8 @@ def _make_plan(
     )
 
 
-def _allowed_options(allowed_tiers: Sequence[str]) -> list[str]:
+def options_for_tiers(allowed_tiers: Sequence[str]) -> list[str]:
+    """The options whose saved bytes live on one of ``allowed_tiers``; a ValueError for an unknown or empty set."""
     bad = [t for t in allowed_tiers if t not in INPUT_TIERS]
     if bad:
         raise ValueError(
@@ -353,5 +358,6 @@ def _allowed_options(allowed_tiers: Sequence[str]) -> list[str]:
     return [o for o, (_, tier) in OPTIONS.items() if tier in allowed_tiers]
 
 
-def _fits(ev: Evaluation, gpu_budget: int, host_budget: int, nvme_budget: int) -> bool:
+def fits_budgets(ev: Evaluation, gpu_budget: int, host_budget: int, nvme_budget: int) -> bool:
+    """Whether an evaluated plan fits the GPU, pinned host and NVMe budgets (bytes)."""
     return ev.peak_gpu_bytes <= gpu_budget and ev.pinned_host_bytes <= host_budget and ev.nvme_bytes <= nvme_budget

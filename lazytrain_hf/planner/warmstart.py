@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from .baselines import BASELINES, baseline_plan
 from .costmodel import CostModel
 from .plan import Plan
-from .stages import _fits, evaluate_plan
+from .stages import evaluate_plan, fits_budgets
 
 
 def start_candidates(
@@ -43,8 +43,7 @@ def start_candidates(
         plan.optimizer_overlap = True
         plan.micro_batch_size, plan.seq_len = cm.micro_batch_size, cm.seq_len
         ev = evaluate_plan(plan, cm)
-        if _fits(ev, gpu_budget, host_budget, nvme_budget):
+        if fits_budgets(ev, gpu_budget, host_budget, nvme_budget):
             out.append((ev.step_time_s, n, plan))
     out.sort(key=lambda t: (t[0], t[1]))
     return [p for _, _, p in out]
-
