@@ -4,10 +4,10 @@ Owns `make_plan` (what `LazyTrainer.train()` runs when no plan is given), the ti
 `time_streamed_layers`: per-layer forward/backward seconds of pure compute, Note: [The warm-up measures two batch
 sizes]), the bytes a plan moves per step (`predict_bytes`, `measure_offload_bytes`), plan files
 (`load_plan_file`, `save_plan`: JSON and timeline picture in output_dir) and the checks made before anything is
-attached or allocated (`check_plan_fits`, `check_host_memory`). Takes the model, the `LazyTrainingArguments` and a
-collated batch as plain values: it never imports `transformers.Trainer`, never changes the arguments (adopting the
-plan's batch size is the trainer's) and leaves the model as it found it (parameters, gradients, hooks, train/eval
-mode, every RNG state).
+attached or allocated (`check_plan_fits`, `check_host_memory`), and one plan for every data-parallel rank
+(`plan_on_rank_zero`). Takes the model, the `LazyTrainingArguments` and a collated batch as plain values: it never
+imports `transformers.Trainer` or the trainer floor, never changes the arguments (adopting the plan's batch size is
+the trainer's) and leaves the model as it found it (parameters, gradients, hooks, train/eval mode, every RNG state).
 """
 
 from __future__ import annotations
