@@ -26,6 +26,8 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from .training.arg_upgrades import register_upgrade
+
 __version__ = "0.1.0"
 
 _LAZY = {
@@ -57,3 +59,14 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'lazytrain_hf' has no attribute {name!r}")
+
+
+def _lazy_sft_config() -> type:
+    from .trl import LazySFTConfig
+
+    return LazySFTConfig
+
+
+# trl's SFTConfig upgrades to LazySFTConfig (`lazytrain_hf.args.upgraded_class`); lazytrain_hf.trl is imported only
+# when one is upgraded
+register_upgrade("trl.", "SFTConfig", _lazy_sft_config)

@@ -19,11 +19,12 @@ from transformers import TrainingArguments
 from .activations.nvme import check_dir as check_nvme_dir
 from .planner.baselines import BASELINES
 from .planner.plan import INPUT_TIERS
+from .training.arg_upgrades import maintained_upgrade
+from .training.plan_files import PLAN_FILE  # re-exported: the plan next to a checkpoint (also in output_dir)
 from .units import parse_bytes
 
 STATE_NVME_LAYERS = ("auto", "all")  # state_nvme_layers
 
-PLAN_FILE = "lazytrain_plan.json"  # the plan next to a checkpoint (also written to output_dir)
 PLANNER_POLICIES = ("milp", *BASELINES, "default")  # a baseline name plans with `baselines.make_baseline`
 SOLVERS = ("auto", "cbc", "highs")
 
@@ -544,11 +545,9 @@ def upgraded_class(base: type, lazy: type = LazyTrainingArguments) -> type:
         return base
     if issubclass(lazy, base):
         return lazy
-    if f"{base.__module__}.{base.__qualname__}".startswith("trl.") and base.__name__ == "SFTConfig":
-        from .trl import LazySFTConfig  # the maintained combination (its own defaults and checks)
-
-        if issubclass(LazySFTConfig, lazy):
-            return LazySFTConfig
+    maintained = maintained_upgrade(base)  # trl's SFTConfig: LazySFTConfig (its own defaults and checks)
+    if maintained is not None and issubclass(maintained, lazy):
+        return maintained
     key = (base, lazy)
     if key not in _UPGRADED:
         name = f"Lazy{base.__name__}"

@@ -10,7 +10,7 @@ the whole model in RAM (Note: [A layer is read from disk into its buffers] in st
 
 Checkpoint keys are converted to the model's names and layout with transformers' conversion mapping, one target at a
 time (the same transforms `from_pretrained` applies, e.g. MoE experts saved per expert fused into
-``experts.gate_up_proj``; training/checkpoints.py, Note: [Checkpoint weights in the saved format]).
+``experts.gate_up_proj``; training/resume_weights.py, Note: [Checkpoint weights in the saved format]).
 """
 
 from __future__ import annotations
@@ -57,12 +57,12 @@ class ShardedWeights:
         return f"ShardedWeights(directory={self.directory!r}, files={len(self.files)}, keys={len(self.file_of)})"
 
     def _targets(self, keys: list[str]) -> dict[str, list[str]]:
-        """Model name -> checkpoint keys, as `training.checkpoints._group_by_target` groups them."""
+        """Model name -> checkpoint keys, as `training.weight_layout.group_by_target` groups them."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-        from .training.checkpoints import _weight_transforms
+        from .training.weight_layout import weight_transforms
 
-        transforms = _weight_transforms(self.model)
+        transforms = weight_transforms(self.model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         converters = [t for t in transforms if isinstance(t, WeightConverter)]
         expected = self.model.state_dict()
@@ -81,7 +81,7 @@ class ShardedWeights:
         Tensors are read with plain file reads into new tensors (`_read_key`), not through a memory map: the file's
         pages stay in the page cache, outside the process's RSS, and nothing of the file stays mapped after the
         read."""
-        from .training.checkpoints import _converted, _group_by_target
+        from .training.weight_layout import converted, group_by_target
 
         missing = [n for n in names if n not in self.keys_of]
         if missing:
@@ -91,11 +91,11 @@ class ShardedWeights:
             )
         keys = [k for n in names for k in self.keys_of[n]]
         sources = {k: partial(self._read_key, k) for k in keys}
-        groups, _ = _group_by_target(self.model, sources)
+        groups, _ = group_by_target(self.model, sources)
         out: dict[str, torch.Tensor] = {}
         wanted = set(names)
         for target, group in groups.items():
-            for name, t in _converted(self.model, group, target).items():
+            for name, t in converted(self.model, group, target).items():
                 if name in wanted:
                     out[name] = t.contiguous()
         return out

@@ -28,7 +28,6 @@ from __future__ import annotations
 import contextlib
 import math
 import os
-import time
 from typing import Any
 
 import torch
@@ -50,25 +49,9 @@ from .training import (
 )
 from .training.checkpoints import MASTER_FILE, STAGING_PREFIX, lazytrain_card_section, read_plan, verify_checkpoint
 from .training.planning import TIMELINE_FILE, time_streamed_layers
+from .training.run_trace import TRACE_FILE, untraced, write_trace
+from .training.throughput import ThroughputWindow
 from .training.updater import LayerwiseUpdater
-
-# Note: [The trace is the planner's referee]
-#     The executor records every transfer, compute span, optimizer update and host synchronisation of a step
-#     (`lazytrain_hf.streaming.trace`); the first ``stream_trace_steps`` optimizer steps are written to
-#     ``output_dir/lazytrain_trace.json`` (``{"steps": [{"bytes": {"h2d", "d2h", "nvme_read", "nvme_write"}, ...}]}``),
-#     beside the plan whose ``predicted["bytes_per_step"]`` they must equal. Evaluation and prediction between steps
-#     are not recorded.
-TRACE_FILE = "lazytrain_trace.json"
-
-
-@contextlib.contextmanager
-def _untraced(handle):
-    if handle is None:
-        yield
-        return
-    with handle.trace.paused():
-        yield
-
 
 logger = logging.get_logger(__name__)
 
@@ -103,8 +86,7 @@ class LazyTrainer(Trainer):
         self._updater: LayerwiseUpdater | None = None
         self._preloaded_checkpoint: str | None = None
         self._resident_reduced = False
-        self._step_t0: float | None = None
-        self._window = {"tokens": 0, "last_step": 0}
+        self._window = ThroughputWindow()
         self._n_params: int | None = None
         self._plan_from_file = False
         self._best_pending = False
@@ -131,13 +113,7 @@ class LazyTrainer(Trainer):
             self.optimizer = None
         elif self.optimizer is not None and self.optimizer is self._prebuilt_optimizer:
             self.optimizer = None  # Note: [create_optimizer() before train()]
-        elif self.optimizer is not None:
-            raise ValueError(
-                "LazyTrainer(optimizers=...) with stream_enabled=True: the streamed model is updated by the "
-                "HybridAdamW8bit that train() builds over the host fp32 masters, so a given optimizer would never "
-                "update the streamed layers. Drop `optimizers` (tune it with the optim_* arguments) or set "
-                "stream_enabled=False."
-            )
+        contract.check_given_optimizer(self.optimizer)
         checkpoint = checkpoints.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         self.check_host_memory(None)  # the model's own state, before a warm-up or a solve allocates anything
         plan = None
@@ -280,27 +256,9 @@ class LazyTrainer(Trainer):
         In data parallel only rank 0 profiles, warms up and solves; the plan (with the batch size it chose) is
         broadcast and every rank executes it, so all ranks stream the same way and keep the same batch size. A
         planning error on rank 0 is raised on every rank instead of leaving the others waiting."""
-        import torch.distributed as dist
-
-        if self.args.world_size <= 1 or not dist.is_available() or not dist.is_initialized():
-            return self.make_plan()
-        from .planner.plan import Plan
-
-        box: list[Any] = [None]
-        if dist.get_rank() == 0:
-            try:
-                box = [("plan", self.make_plan().to_json())]
-            except Exception as e:
-                box = [("error", f"{type(e).__name__}: {e}")]
-                dist.broadcast_object_list(box, src=0)
-                raise
-        dist.broadcast_object_list(box, src=0)
-        kind, payload = box[0]
-        if kind == "error":
-            raise RuntimeError(f"planning failed on rank 0: {payload}")
-        if dist.get_rank() == 0:
-            return self.lazy_plan
-        plan = Plan.from_json(payload)
+        plan, received = planning.plan_on_rank_zero(self.make_plan, self.args.world_size)
+        if not received:
+            return plan  # made here by make_plan()
         self.lazy_plan = plan
         if self.args.planner_auto_batch_size:
             self._adopt_batch_size(plan)
@@ -446,11 +404,11 @@ class LazyTrainer(Trainer):
             handle.remove()
 
     def evaluate(self, *args: Any, **kwargs: Any):
-        with self.streaming() as handle, _untraced(handle):
+        with self.streaming() as handle, untraced(handle):
             return super().evaluate(*args, **kwargs)
 
     def predict(self, *args: Any, **kwargs: Any):
-        with self.streaming() as handle, _untraced(handle):
+        with self.streaming() as handle, untraced(handle):
             return super().predict(*args, **kwargs)
 
     # ------------------------------------------------------------------ loss
@@ -468,11 +426,8 @@ class LazyTrainer(Trainer):
         if model.training and not self._longer_batch_seen:  # Note: [The plan is made for the longest batch]
             plan = self.stream_handle.plan
             self._longer_batch_seen = batches.check_batch_planned(plan, inputs, from_file=self._plan_from_file)
-        if self._step_t0 is None:
-            self._step_t0 = time.perf_counter()
         mask = inputs.get("attention_mask")
-        # a device tensor (no host sync per micro-batch); read once per log in `_throughput_logs`
-        self._window["tokens"] += mask.sum() if mask is not None else inputs["input_ids"].numel()
+        self._window.count(mask.sum() if mask is not None else inputs["input_ids"].numel())
         loss = self.stream_handle.causal_lm_loss(
             model,
             inputs,
@@ -585,12 +540,8 @@ class LazyTrainer(Trainer):
             self._write_trace()
 
     def _write_trace(self) -> None:
-        n = self.args.stream_trace_steps
-        trace = self.stream_handle.trace if self.stream_handle is not None else None
-        if trace is None or n <= 0 or not trace.steps or not self.is_world_process_zero():
-            return
-        os.makedirs(self.args.output_dir, exist_ok=True)
-        trace.to_json(os.path.join(self.args.output_dir, TRACE_FILE), max_steps=n)
+        if self.stream_handle is not None and self.is_world_process_zero():
+            write_trace(self.stream_handle.trace, self.args.output_dir, self.args.stream_trace_steps)
 
     def _uses_default_optimizer(self) -> bool:
         return not self.args.optim_hybrid_8bit
@@ -645,28 +596,16 @@ class LazyTrainer(Trainer):
         super().log(logs, start_time) if start_time is not None else super().log(logs)
 
     def _throughput_logs(self) -> dict[str, float]:
-        out: dict[str, float] = {}
-        now = time.perf_counter()
-        tokens = int(self._window["tokens"])
-        if self._step_t0 is not None and tokens:
-            secs = now - self._step_t0
-            steps = max(1, self.state.global_step - self._window["last_step"])
-            if self._n_params is None:
-                self._n_params = sum(p.numel() for p in self.model.parameters())
-            n_params = self._n_params
-            out["tokens_per_s"] = tokens / secs
-            # 6 * N * tokens (forward + backward), as `Trainer.floating_point_ops`; recompute not counted as useful
-            out["tflops"] = 6 * n_params * tokens / secs / 1e12
-            out["step_time_s"] = secs / steps
-            predicted = (self.lazy_plan.predicted or {}).get("step_time_s") if self.lazy_plan else None
-            if predicted:
-                out["predicted_step_time_s"] = float(predicted)
+        out = self._window.logs(self.state.global_step, self._param_count, self.lazy_plan)
         stats = self.stream_handle.memory_stats()
         out["peak_device_bytes"] = int(stats.get("device_peak_bytes", 0))
         self.stream_handle.reset_peak()
-        self._window = {"tokens": 0, "last_step": self.state.global_step}
-        self._step_t0 = now
         return out
+
+    def _param_count(self) -> int:
+        if self._n_params is None:
+            self._n_params = sum(p.numel() for p in self.model.parameters())
+        return self._n_params
 
     # ------------------------------------------------------------------ saving
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
@@ -718,13 +657,8 @@ class LazyTrainer(Trainer):
             self._get_output_dir = original
         if not self.args.should_save:
             return
-        masters = checkpoints.unsaved_masters(self.stream_handle, self._updater)
-        # Note: [A checkpoint holds the model in its own dtype] in training/saved_weights.py: in the weights already
-        for name in saved_weights.cast_overrides(self.stream_handle):
-            masters.pop(name, None)
-        # Note: [Checkpoints of the state on NVMe] in training/checkpoints.py
-        checkpoints.write_nvme_optimizer_state(os.path.join(staging_root, os.path.basename(final)), self.stream_handle)
-        checkpoints.publish_checkpoint(staging_root, final, masters)
+        # fp32 masters and the state on NVMe added, renamed into place (Note: [Atomic checkpoints])
+        checkpoints.complete_checkpoint(staging_root, final, self.stream_handle, self._updater)
         if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
             self.state.best_model_checkpoint = final
         from transformers.trainer_utils import rotate_checkpoints
@@ -751,6 +685,7 @@ __all__ = [
     "PLAN_FILE",
     "STAGING_PREFIX",
     "TIMELINE_FILE",
+    "TRACE_FILE",
     "LayerwiseUpdater",
     "LazyTrainer",
     "lazytrain_card_section",

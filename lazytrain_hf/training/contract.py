@@ -93,6 +93,19 @@ def check_optimizer_options(args: Any, optimizer_cls_and_kwargs: Any) -> None:
     )
 
 
+def check_given_optimizer(optimizer: Any) -> None:
+    """Refuse, at `train()` with streaming, an optimizer the user gave (``optimizers=``; ours from an earlier
+    `train()` or `create_optimizer()` were cleared by then): the streamed layers are updated by the HybridAdamW8bit
+    over the host masters that `train()` builds."""
+    if optimizer is not None:
+        raise ValueError(
+            "LazyTrainer(optimizers=...) with stream_enabled=True: the streamed model is updated by the "
+            "HybridAdamW8bit that train() builds over the host fp32 masters, so a given optimizer would never "
+            "update the streamed layers. Drop `optimizers` (tune it with the optim_* arguments) or set "
+            "stream_enabled=False."
+        )
+
+
 def check_model(model: Any, stream_enabled: bool) -> None:
     """The model the trainer is given (or `model_init` returned): a supported causal LM when streaming; in memory
     when not (a `lazytrain_hf.from_pretrained` model keeps its decoder weights on disk for the executor)."""

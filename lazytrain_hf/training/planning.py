@@ -4,16 +4,17 @@ Owns `make_plan` (what `LazyTrainer.train()` runs when no plan is given), the ti
 `time_streamed_layers`: per-layer forward/backward seconds of pure compute, Note: [The warm-up measures two batch
 sizes]), the bytes a plan moves per step (`predict_bytes`, `measure_offload_bytes`), plan files
 (`load_plan_file`, `save_plan`: JSON and timeline picture in output_dir) and the checks made before anything is
-attached or allocated (`check_plan_fits`, `check_host_memory`). Takes the model, the `LazyTrainingArguments` and a
-collated batch as plain values: it never imports `transformers.Trainer`, never changes the arguments (adopting the
-plan's batch size is the trainer's) and leaves the model as it found it (parameters, gradients, hooks, train/eval
-mode, every RNG state).
+attached or allocated (`check_plan_fits`, `check_host_memory`), and one plan for every data-parallel rank
+(`plan_on_rank_zero`). Takes the model, the `LazyTrainingArguments` and a collated batch as plain values: it never
+imports `transformers.Trainer` or the trainer floor, never changes the arguments (adopting the plan's batch size is
+the trainer's) and leaves the model as it found it (parameters, gradients, hooks, train/eval mode, every RNG state).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -22,7 +23,7 @@ from transformers.utils import logging
 from .. import models
 from ..loading import weights_on_disk
 from ..units import format_bytes
-from .checkpoints import write_plan
+from .plan_files import write_plan
 
 logger = logging.get_logger(__name__)
 
@@ -251,6 +252,35 @@ def save_plan(plan, cost_model, output_dir: str) -> None:
         simulate.draw_timeline(simulate.simulate(plan, cost_model), os.path.join(output_dir, TIMELINE_FILE))
     except ImportError as e:  # matplotlib is optional (extra `plot`)
         logger.warning(f"timeline picture not drawn ({e}); pip install 'lazytrain-hf[plot]' to get it.")
+
+
+def plan_on_rank_zero(make: Callable[[], Any], world_size: int) -> tuple[Any, bool]:
+    """``make()`` on rank 0 only, its plan broadcast to every rank (Note: [One plan for every rank] in
+    trainer.py): ``(plan, received)``, ``received`` True where the plan came from rank 0 (not made here). Without
+    data parallel ``make()`` runs here. A planning error on rank 0 is raised on every rank."""
+    import torch.distributed as dist
+
+    if world_size <= 1 or not dist.is_available() or not dist.is_initialized():
+        return make(), False
+    from ..planner.plan import Plan
+
+    box: list[Any] = [None]
+    made = None
+    if dist.get_rank() == 0:
+        try:
+            made = make()
+            box = [("plan", made.to_json())]
+        except Exception as e:
+            box = [("error", f"{type(e).__name__}: {e}")]
+            dist.broadcast_object_list(box, src=0)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    kind, payload = box[0]
+    if kind == "error":
+        raise RuntimeError(f"planning failed on rank 0: {payload}")
+    if dist.get_rank() == 0:
+        return made, False
+    return Plan.from_json(payload), True
 
 
 def load_plan_file(path: str, output_dir: str | None = None):
