@@ -20,21 +20,14 @@ pytest.importorskip("highspy")
 # Qwen3-235B-A22B's architecture (its public config.json): 94 MoE layers, 128 experts, 8 per token
 QWEN3_235B = ZooConfig(
     "qwen3-235b-a22b",
-    model_type="qwen3_moe",
-    hidden_size=4096,
-    intermediate_size=12288,
-    moe_intermediate_size=1536,
-    num_hidden_layers=94,
-    num_attention_heads=64,
-    num_key_value_heads=4,
-    head_dim=128,
-    num_experts=128,
-    num_experts_per_tok=8,
-    decoder_sparse_step=1,
-    mlp_only_layers=[],
-    norm_topk_prob=True,
-    vocab_size=151936,
-    tie_word_embeddings=False,
+    **{
+        **get_config("qwen3-30b-a3b").to_dict(),  # the same Qwen3-MoE family: experts, norms, vocabulary
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+    },
 )
 # the budgets `plan_for_model` uses on h200 by default (90% of the device, half the host memory)
 H200_GPU, H200_HOST = 126_900_000_000, 824_633_720_832
