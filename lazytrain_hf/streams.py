@@ -70,7 +70,7 @@ from typing import Any
 import torch
 
 from . import pinned
-from .threads import check_compute_thread
+from .threads import check_compute_thread, env_flag
 
 SIMULATE_ENV = "LAZYTRAIN_SIMULATE_ASYNC"
 SEED_ENV = "LAZYTRAIN_SIMULATE_ASYNC_SEED"
@@ -103,14 +103,7 @@ def long_stall_s() -> float:
 
 def simulate_async() -> bool:
     """Whether the CPU path simulates asynchronous lanes (``LAZYTRAIN_SIMULATE_ASYNC=1``)."""
-    value = os.environ.get(SIMULATE_ENV, "0").strip().lower()
-    if value in ("", "0", "false", "no", "off"):
-        return False
-    if value in ("1", "true", "yes", "on"):
-        return True
-    raise ValueError(
-        f"{SIMULATE_ENV}={value!r}: use 1 to simulate asynchronous copies on the CPU or 0 to copy inline."
-    )
+    return env_flag(SIMULATE_ENV, "simulate asynchronous copies on the CPU", "copy inline")
 
 
 def pin_host_memory(device: torch.device | str) -> bool:

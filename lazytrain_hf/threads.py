@@ -29,18 +29,21 @@ import torch
 AUTOGRAD_THREAD_ENV = "LAZYTRAIN_SIMULATE_AUTOGRAD_THREAD"
 
 
-def simulate_autograd_thread() -> bool:
-    """Whether the simulation runs backward on a thread of its own (``LAZYTRAIN_SIMULATE_AUTOGRAD_THREAD=1``; Note:
-    [Backward runs on another thread])."""
-    value = os.environ.get(AUTOGRAD_THREAD_ENV, "0").strip().lower()
+def env_flag(name: str, on: str, off: str) -> bool:
+    """The on/off environment variable ``name`` (unset, ``0``, ``false``, ``no``, ``off``: off; ``1``, ``true``,
+    ``yes``, ``on``: on); anything else is refused, saying what ``1`` (``on``) and ``0`` (``off``) do."""
+    value = os.environ.get(name, "0").strip().lower()
     if value in ("", "0", "false", "no", "off"):
         return False
     if value in ("1", "true", "yes", "on"):
         return True
-    raise ValueError(
-        f"{AUTOGRAD_THREAD_ENV}={value!r}: use 1 to run backward on a simulated autograd thread or 0 to run it on "
-        "the calling thread."
-    )
+    raise ValueError(f"{name}={value!r}: use 1 to {on} or 0 to {off}.")
+
+
+def simulate_autograd_thread() -> bool:
+    """Whether the simulation runs backward on a thread of its own (``LAZYTRAIN_SIMULATE_AUTOGRAD_THREAD=1``; Note:
+    [Backward runs on another thread])."""
+    return env_flag(AUTOGRAD_THREAD_ENV, "run backward on a simulated autograd thread", "run it on the calling thread")
 
 
 _local = threading.local()
