@@ -77,6 +77,40 @@ def tiny_model(model_type: str = "qwen3", seed: int = 0, **overrides):
     return AutoModelForCausalLM.from_config(cfg)
 
 
+def offload_step_device_bytes(num_layers: int = 8, inspect=None):
+    """One forward + backward of a tiny qwen3 whose every layer offloads to the CPU: the activation engine's device
+    bytes after each decoder layer's forward, and the largest per-layer CPU bytes. ``inspect(handle)`` runs while
+    the executor is attached (checks of its settings)."""
+    from lazytrain_hf import models
+    from lazytrain_hf.planner.plan import LayerPlan, Plan
+    from lazytrain_hf.streaming import attach
+
+    model = tiny_model("qwen3", seed=1, num_hidden_layers=num_layers)
+    kinds = models.layer_kinds(model.config)
+    plan = Plan(
+        layers=[LayerPlan(index=i, kind=k, policy="offload_cpu") for i, k in enumerate(kinds)],
+        micro_batch_size=2,
+        seq_len=10,
+    )
+    handle = attach(model, plan=plan)
+    seen: list[int] = []
+    hooks = [
+        layer.register_forward_hook(lambda *_: seen.append(handle.activations.memory_stats()["gpu_bytes"]))
+        for layer in models.decoder_layers(model)
+    ]
+    try:
+        if inspect is not None:
+            inspect(handle)
+        ids = torch.randint(0, model.config.vocab_size, (2, 10))
+        handle.causal_lm_loss(model, {"input_ids": ids, "labels": ids}).backward()
+        per_layer = max(d["cpu"] for d in handle.activations.layer_bytes().values())
+    finally:
+        for h in hooks:
+            h.remove()
+        handle.remove()
+    return model, seen, per_layer
+
+
 RECIPE = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "recipes", "qwen_metamath.py")
 
 

@@ -9,7 +9,7 @@ import time
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import offload_step_device_bytes, tiny_model
 
 from lazytrain_hf import pinned, streams
 from lazytrain_hf.planner.plan import Plan
@@ -222,34 +222,14 @@ def test_host_lead_is_bounded(sim, monkeypatch, lead):
     before it (plus one being dropped), the memory the planner's stage model charges (``alive(i, i + 1)`` per offload
     source, planner/stages.py), and the step's measured device peak stays within the plan's. Defect: the bound was a
     device-side wait only, so with a lead of 8 every layer's source stayed (peak = keep-all)."""
-    from lazytrain_hf import models
     from lazytrain_hf.activations.tiers import HOST_LEAD_ENV
     from lazytrain_hf.planner import costmodel
-    from lazytrain_hf.planner.plan import LayerPlan
+
+    def check_lead(handle):
+        assert handle.activations._tiers.host_lead == lead
 
     monkeypatch.setenv(HOST_LEAD_ENV, str(lead))
-    model = tiny_model("qwen3", seed=1, num_hidden_layers=8)
-    kinds = models.layer_kinds(model.config)
-    plan = Plan(
-        layers=[LayerPlan(index=i, kind=k, policy="offload_cpu") for i, k in enumerate(kinds)],
-        micro_batch_size=2,
-        seq_len=10,
-    )
-    handle = attach(model, plan=plan)
-    seen: list[int] = []
-    hooks = [
-        layer.register_forward_hook(lambda *_: seen.append(handle.activations.memory_stats()["gpu_bytes"]))
-        for layer in models.decoder_layers(model)
-    ]
-    try:
-        assert handle.activations._tiers.host_lead == lead
-        ids = torch.randint(0, model.config.vocab_size, (2, 10))
-        handle.causal_lm_loss(model, {"input_ids": ids, "labels": ids}).backward()
-        per_layer = max(d["cpu"] for d in handle.activations.layer_bytes().values())
-    finally:
-        for h in hooks:
-            h.remove()
-        handle.remove()
+    model, seen, per_layer = offload_step_device_bytes(8, inspect=check_lead)
     assert len(seen) == 8 and per_layer > 0
     # the stage model's charge in forward stage i < L - 1: offload sources of layers i - 1 and i (at the last layer
     # the first backward reload is issued too)

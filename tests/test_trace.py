@@ -12,7 +12,7 @@ from collections import Counter
 
 import pytest
 import torch
-from conftest import tiny_model
+from conftest import offload_step_device_bytes, tiny_model
 from hypothesis import given, settings
 from test_plan_space import _SETTINGS, STEPS, cases, keep_all_plan, write_plan
 from trainer_fixtures import token_dataset
@@ -222,31 +222,10 @@ def test_copies_in_flight_are_bounded(async_engine, monkeypatch):
     """Note: [Two stages of copies in flight]: with a D2H lane far slower than compute, the sources of offload
     copies still on the device never exceed the two layers before the one computing (plus its own), so the peak the
     planner charges holds; without the wait every layer's offload would be in flight at the end of the forward."""
-    from lazytrain_hf.streaming import attach
     from lazytrain_hf.streams import MAX_DELAY_ENV
 
     monkeypatch.setenv(MAX_DELAY_ENV, "0.05")
-    model = tiny_model("qwen3", seed=1, num_hidden_layers=8)
-    kinds = models.layer_kinds(model.config)
-    plan = Plan(
-        layers=[LayerPlan(index=i, kind=k, policy="offload_cpu") for i, k in enumerate(kinds)],
-        micro_batch_size=2,
-        seq_len=10,
-    )
-    handle = attach(model, plan=plan)
-    seen: list[int] = []
-    hooks = [
-        layer.register_forward_hook(lambda *_: seen.append(handle.activations.memory_stats()["gpu_bytes"]))
-        for layer in models.decoder_layers(model)
-    ]
-    try:
-        ids = torch.randint(0, model.config.vocab_size, (2, 10))
-        handle.causal_lm_loss(model, {"input_ids": ids, "labels": ids}).backward()
-        per_layer = max(d["cpu"] for d in handle.activations.layer_bytes().values())
-    finally:
-        for h in hooks:
-            h.remove()
-        handle.remove()
+    _, seen, per_layer = offload_step_device_bytes(8)
     assert len(seen) == 8 and per_layer > 0
     assert max(seen) <= 3 * per_layer, (max(seen) / per_layer, seen)
 
