@@ -349,8 +349,8 @@ class NodeCopy:
         except FileNotFoundError:
             raise NodeCopyError(
                 f"rank {self.rank} (local rank {self.local_rank}) found no shared-memory segment {path}: local rank 0 "
-                "of the node creates it before the first barrier. Pass the same run_id and world on every rank, and "
-                "a barrier over the node's ranks."
+                "of the node creates it before the first barrier, so it failed or exited since, or the ranks were "
+                "given different run_id or world (pass the same on every rank, and a barrier over the node's ranks)."
             ) from None
         try:
             size = os.fstat(fd).st_size
