@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from lazytrain_hf import pinned, streams
+from lazytrain_hf.planner.layouts import align_up
 from lazytrain_hf.planner.world import World
 from lazytrain_hf.streaming.nodecopy import (
     SHM_DIR,
@@ -422,3 +423,113 @@ def test_a_name_in_use_by_a_live_run_is_refused():
     NodeCopy(run_id, World(1, 1), 0, 4096, 1, barrier, pin=False).close()
     assert refused
     assert _leftovers(run_id) == []
+
+
+# ----------------------------------------------------------------------------------------- two torchrun "nodes"
+# The body of the test below, run by ``torch.distributed.run --nnodes 2 ... tests/test_nodecopy.py --worker OUT``.
+def _torchrun_worker(out: str, run_id: str) -> None:
+    import json
+
+    import torch.distributed as dist
+
+    from lazytrain_hf.planner.world import unit_owners
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), World(dist.get_world_size(), int(os.environ["GROUP_WORLD_SIZE"]))
+    local = [
+        dist.new_group(list(range(n * world.local_world_size, (n + 1) * world.local_world_size)))
+        for n in range(world.nodes)
+    ][world.node_of(rank)]
+    owners = unit_owners([n for n, _ in UNITS] + [64], world.world_size)
+    units = [*UNITS, (64, torch.float32)]
+    nbytes = sum(align_up(n * d.itemsize) for n, d in units)
+    with NodeCopy(run_id, world, rank, nbytes, len(units), lambda: dist.barrier(group=local), pin=True) as nc:
+        views = [nc.carve(n, d) for n, d in units]
+
+        def data(u: int) -> torch.Tensor:
+            n, dtype = units[u]
+            return torch.randn(n, generator=torch.Generator().manual_seed(1000 + u)).to(dtype)
+
+        # each owner's update, then an all-gather brings every other node's units: the local rank with the owner's
+        # local index writes and publishes them on this node
+        mine = {u: data(u) for u, o in enumerate(owners) if o == rank}
+        gathered = [None] * world.world_size
+        dist.all_gather_object(gathered, mine)
+        for part in gathered:
+            for u, values in part.items():
+                if world.local_rank(owners[u]) == world.local_rank(rank):
+                    views[u].copy_(values)
+                    nc.publish(u, 1)
+        ok = True
+        for u, o in enumerate(owners):
+            nc.wait(u, 1, owner_rank=o, timeout_s=RESULT_TIMEOUT_S)
+            ok &= torch.equal(views[u], data(u))
+        dist.barrier()
+    with open(os.path.join(out, f"rank{rank}.json"), "w") as f:
+        json.dump({"name": nc.name, "ok": bool(ok), "owners": owners, "node": world.node_of(rank)}, f)
+    dist.destroy_process_group()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_two_torchrun_nodes_on_one_machine(tmp_path):
+    """Two ``torch.distributed.run --nnodes 2`` launches on localhost, 2 ranks each, gloo: each node has its own
+    segment, remote units arrive by an all-gather and are published on the node, every rank reads every unit
+    bit-exact, and nothing of the run is left in /dev/shm."""
+    import json
+    import socket
+    import subprocess
+    import sys
+
+    run_id = _run_id()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(
+        os.environ,
+        OMP_NUM_THREADS="1",
+        PYTHONPATH=os.pathsep.join([os.path.dirname(__file__), os.path.dirname(os.path.dirname(__file__))]),
+    )
+    procs = [
+        subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--nnodes",
+                "2",
+                "--node-rank",
+                str(node),
+                "--nproc-per-node",
+                "2",
+                "--master-addr",
+                "127.0.0.1",
+                "--master-port",
+                str(port),
+                __file__,
+                "--worker",
+                str(tmp_path),
+                run_id,
+            ],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for node in (0, 1)
+    ]
+    logs = [p.communicate(timeout=240)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    res = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(4)]
+    assert all(r["ok"] for r in res), res
+    assert [r["name"] for r in res] == [segment_name(run_id, 0)] * 2 + [segment_name(run_id, 1)] * 2
+    assert sorted(set(res[0]["owners"])) == [0, 1, 2, 3]  # every rank owns a unit, two of them on the other node
+    assert _leftovers(run_id) == []
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:2] == ["--worker"]:
+        _torchrun_worker(sys.argv[2], sys.argv[3])
