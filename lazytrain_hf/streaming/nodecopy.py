@@ -335,6 +335,7 @@ class NodeCopy:
             ("pthread_mutexattr_init", (attr,)),
             ("pthread_mutexattr_setpshared", (attr, 1)),  # PTHREAD_PROCESS_SHARED
             ("pthread_mutexattr_setrobust", (attr, 1)),  # PTHREAD_MUTEX_ROBUST: a killed holder does not block
+            ("pthread_mutexattr_settype", (attr, 2)),  # PTHREAD_MUTEX_ERRORCHECK: relocking raises, not hangs
             ("pthread_mutex_init", (mutex, attr)),
             ("pthread_mutexattr_destroy", (attr,)),
         ):
@@ -432,7 +433,7 @@ class NodeCopy:
         """The segment's mutex (Note: [A unit's version is published after its data])."""
         if self._seg.mutex is None:
             raise NodeCopyError(f"the node copy {self.name} of rank {self.rank} is closed.")
-        mutex = ctypes.byref(self._seg.mutex)  # never taken twice by one thread (it is not recursive)
+        mutex = ctypes.byref(self._seg.mutex)  # never taken twice by one thread (EDEADLK: it is not recursive)
         err = _pthread("pthread_mutex_lock", mutex)
         if err == errno.EOWNERDEAD:  # its holder died; the counters it guards are single stores: still whole
             err = _pthread("pthread_mutex_consistent", mutex)
