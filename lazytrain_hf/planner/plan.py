@@ -108,8 +108,8 @@ class Plan:
             ``-1`` the streamed embedding, ``num_layers`` the streamed head. Their weight fetches read the compute
             copy from NVMe first, their gradients are written there, and their optimizer step reads and writes the
             state (`lazytrain_hf.planner.schedule`). Chosen by `lazytrain_hf.planner.hostmem.place_state`.
-        world_size: ranks of the data-parallel world the plan was made for (every rank executes it, Note: [The
-            training state is partitioned by unit] in `lazytrain_hf.planner.world`); 1: one process.
+        world_size: ranks of the data-parallel world the plan was made for, every rank executes it
+            (Note: [The training state is partitioned by unit] in `lazytrain_hf.planner.world`); 1: one process.
         nodes: machines those ranks run on, ``world_size // nodes`` on each.
     """
 

@@ -22,14 +22,15 @@ stage it is issued in), written from the executor's rules, which read the same `
   reads its compute copy from NVMe (same stage); its gradients are written to its state file when its backward is
   complete (and, with gradient accumulation, read back before the next micro-batch adds into them); its optimizer
   step reads and writes its state once per step (``UnitBytes.state_read`` / ``state_write``);
-- a data-parallel world (``plan.world_size`` ranks on ``plan.nodes`` nodes, Note: [The training state is
-  partitioned by unit] in `lazytrain_hf.planner.world`): the transfers of one rank. On the ``net`` lane: ``reduce``,
-  the rank's fp32 gradient of each streamed unit another rank owns (``4 * train_elems``), sent to the owner every
-  micro-batch when the unit's backward is complete (the stage of its D2H gradient); ``gather``, the compute copy of
-  each unit owned on another node that this rank receives for its node (`world.gather_receiver`), once per optimizer
-  step after the owner's update. The state of a unit on NVMe is in its owner's files: only the owner writes and
-  reads its gradient there and runs its optimizer step's state I/O. With one rank there is no ``net`` traffic and
-  `bytes_per_step` has no ``net`` key (the single-process trace and plan files are unchanged).
+- a data-parallel world (``plan.world_size`` ranks on ``plan.nodes`` nodes,
+  Note: [The training state is partitioned by unit] in `lazytrain_hf.planner.world`): the transfers of one rank.
+  On the ``net`` lane: ``reduce``, the rank's fp32 gradient of each streamed unit another rank owns
+  (``4 * train_elems``), sent to the owner every micro-batch when the unit's backward is complete (the stage of its
+  D2H gradient); ``gather``, the compute copy of each unit owned on another node that this rank receives for its
+  node (`world.gather_receiver`), once per optimizer step after the owner's update. The state of a unit on NVMe is
+  in its owner's files: only the owner writes and reads its gradient there and runs its optimizer step's state I/O.
+  With one rank there is no ``net`` traffic and
+`bytes_per_step` has no ``net`` key (the single-process trace and plan files are unchanged).
 
 Consumers: the plan's ``predicted["bytes_per_step"]`` (`bytes_per_step`), which the executor's trace
 (`lazytrain_hf.streaming.trace`) must equal exactly; the simulator (`simulate.py`), which replays these transfers
