@@ -29,8 +29,8 @@ stage it is issued in), written from the executor's rules, which read the same `
   D2H gradient); ``gather``, the compute copy of each unit owned on another node that this rank receives for its
   node (`world.gather_receiver`), once per optimizer step after the owner's update. The state of a unit on NVMe is
   in its owner's files: only the owner writes and reads its gradient there and runs its optimizer step's state I/O.
-  With one rank there is no ``net`` traffic and
-`bytes_per_step` has no ``net`` key (the single-process trace and plan files are unchanged).
+  With one rank there is no ``net`` traffic and `bytes_per_step` has no ``net`` key (the single-process trace and
+  plan files are unchanged).
 
 Consumers: the plan's ``predicted["bytes_per_step"]`` (`bytes_per_step`), which the executor's trace
 (`lazytrain_hf.streaming.trace`) must equal exactly; the simulator (`simulate.py`), which replays these transfers
