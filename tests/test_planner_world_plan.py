@@ -213,3 +213,26 @@ def test_plan_for_model_records_the_world():
     assert (plan.world_size, plan.nodes) == (4, 2)
     assert plan.predicted["bytes_per_step"]["net"] > 0
     assert Plan.from_json(plan.to_json()).world == World(4, 2)
+
+
+def test_world_cost_model_keeps_its_world_across_batches():
+    cm = optimizer_bound_model()
+    assert for_world(cm, World(1, 1)) is cm and for_world(cm, None) is cm
+    wcm = for_world(cm, World(4, 4))
+    assert wcm.with_batch(4).world == World(4, 4) and wcm.with_state_nvme([0]).world == World(4, 4)
+    # four ranks on four nodes each update a quarter of the layers at a node's whole rate: the layers' updates
+    # take a quarter of the time (the gathers on a fast network add little)
+    (e1, c1, _), (e4, c4, _) = stages.optimizer_finish_times(cm), stages.optimizer_finish_times(wcm)
+    assert c4[-1] - e4 < 0.3 * (c1[-1] - e1)
+
+
+def test_profiles_without_network_figures_load_and_bad_ones_are_refused(tmp_path):
+    from lazytrain_hf.planner.hardware import HardwareProfile
+
+    d = get_profile("h800").to_dict()
+    assert d["net_gbps"] == 5.0 and d["shm_gbps"] == 10.0 and get_profile("cpu").shm_gbps == 19.0
+    old = {k: v for k, v in d.items() if k not in ("net_gbps", "shm_gbps")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert HardwareProfile.from_json(str(tmp_path / "old.json")).net_gbps == 5.0
+    with pytest.raises(ValueError, match="net_gbps=0"):
+        HardwareProfile.from_dict({**d, "net_gbps": 0})
