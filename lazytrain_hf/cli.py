@@ -348,7 +348,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"peak device {format_bytes(sim.peak_gpu_bytes)}; stage model: {ev.step_time_s:.4f} s; "
             f"{'fits' if ev.peak_gpu_bytes <= gpu else 'does NOT fit'} {format_bytes(gpu)}"
         )
-        for lane in ("compute", "h2d", "d2h", "cpu"):
+        for lane in ("compute", "h2d", "d2h", "cpu") + (("net",) if plan.world_size > 1 else ()):
             print(f"  {lane:<8} busy {100 * sim.busy_fraction(lane):5.1f}%")
     return 0
 
