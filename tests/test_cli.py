@@ -228,7 +228,7 @@ def test_bad_world_is_refused_before_solving(capsys, no_solve, world, words):
         assert w in err, (w, err)
 
 
-def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys):
+def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys, tmp_path):
     argv = ["plan", "--model", "qwen2.5-1.5b", "--hardware", "h800", "--seq-len", "512", "--batch-size", "2"]
     argv += ["--world-size", "4", "--nodes", "2", "--time-limit", "10"]
     code, out, _ = run(capsys, *argv)
@@ -236,7 +236,7 @@ def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys):
     for w in ("world: 4 ranks on 2 node(s), 2 per node", "host RAM per node:", "host RAM per rank: rank 0", "net"):
         assert w in out, (w, out[-2000:])
     assert "predicted step (slowest rank, simulated)" in out
-    code, out, _ = run(capsys, *argv, "--json")
+    code, out, _ = run(capsys, *argv, "--json", "--save", str(tmp_path / "plan.json"))
     data = json.loads(out)
     w = data["world"]
     assert (data["plan"]["world_size"], data["plan"]["nodes"]) == (4, 2)
@@ -250,6 +250,9 @@ def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys):
             <= w["shared_compute_bytes"] + sum(ranks)
         )
     assert w["bytes_per_step_rank0"]["net"] > 0 and w["step_time_s"] > 0
+    # the saved plan carries its world: `simulate` replays it on the net lane too
+    code, out, _ = run(capsys, "simulate", *argv[1:7], "--plan", str(tmp_path / "plan.json"))
+    assert code == 0 and "net      busy" in out
     # one rank: the output has no world block, as before
     code, out, _ = run(capsys, *argv[:9], "--json")
     assert (
