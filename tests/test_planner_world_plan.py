@@ -80,8 +80,11 @@ def test_units_of_a_model_and_state_files_are_the_owners():
     wf = hostmem.world_footprint(units, World(2, 1), **kw)
     assert sum(fp.nvme_state for fp in wf.ranks) == one.nvme_state > 0
     assert sum(fp.grads for fp in wf.ranks) == one.grads > 0  # the embedding and head units, in RAM
-    owners = hostmem.unit_owner_map(units, None, World(2, 1))
+    owners = hostmem.unit_owner_map(units, World(2, 1))
     assert sorted(owners) == [-1, 0, 1, 2, 3, 4] and set(owners.values()) == {0, 1}
+    # the schedule deals the same owners from its byte counts (trainable numels, not the padded accumulators)
+    plan2 = dataclasses.replace(plan, world_size=2)
+    assert schedule.unit_owners_of(plan2, schedule.sizes_from_model(model, plan2)) == owners
     # rank_activation_budget: what the node's shared copy and the ranks' other terms leave, split over its ranks
     budget = wf.node_peak(0) + 10_000
     assert hostmem.rank_activation_budget(budget, wf) == 5_000
@@ -90,7 +93,7 @@ def test_units_of_a_model_and_state_files_are_the_owners():
 
 # ---------------------------------------------------------------------------------------------- bytes per rank
 def tiny_sizes(L: int = 4) -> StepBytes:
-    return StepBytes(layers=[UnitBytes(weight=100, grad=50, train_elems=25) for _ in range(L)])
+    return StepBytes(layers=[UnitBytes(weight=100, grad=50, train_elems=25, trainable=20) for _ in range(L)])
 
 
 def test_bytes_per_rank_by_hand():
@@ -128,7 +131,7 @@ def test_gathers_go_to_the_rank_with_the_owners_local_rank():
 
 def test_state_on_nvme_is_read_and_written_by_its_owner_only():
     L = 2
-    u = UnitBytes(weight=100, grad=50, train_elems=25, grad_file=100, state_read=300, state_write=200)
+    u = UnitBytes(weight=100, grad=50, train_elems=25, trainable=20, grad_file=100, state_read=300, state_write=200)
     sizes = StepBytes(layers=[u] * L)
     plan = Plan.default(L, state_nvme=[0, 1], world_size=2)
     one = schedule.bytes_per_step(plan, sizes, 2, world=World(1, 1))

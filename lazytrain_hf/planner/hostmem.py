@@ -224,7 +224,7 @@ def host_footprint(
     max_unit, max_grad_compute, transient = 0, 0, 0
     staged = False  # a streamed gradient crosses in a dtype other than its fp32 accumulator's
     slot_bytes: dict[str, int] = {}
-    owner = unit_owner_map(units, compute_dtype, world)
+    owner = unit_owner_map(units, world)
     multi = world is not None and world.world_size > 1
     sent: list[int] = []  # fp32 gradient bytes of the streamed units another rank owns
     for u in units:
@@ -322,14 +322,14 @@ def host_footprint(
     return fp
 
 
-def unit_owner_map(units: list[Unit], compute_dtype: torch.dtype | None, world: World | None) -> dict[int, int]:
-    """``{unit key: owner rank}`` of the streamed ``units`` in ``world`` (empty for one rank): dealt in unit order
-    (embedding ``-1``, layers, head ``L``: the keys' order) by the elements of their gradient accumulators
-    (`LayerLayout.train_elems`), as `lazytrain_hf.planner.world.unit_owners` deals them."""
+def unit_owner_map(units: list[Unit], world: World | None) -> dict[int, int]:
+    """``{unit key: owner rank}`` of the streamed ``units`` (`units_of_model`) in ``world`` (empty for one rank):
+    dealt in unit order (embedding ``-1``, layers, head ``L``: the keys' order) by their trainable elements (numels
+    summed), as `lazytrain_hf.planner.world.unit_owners` deals them; the executor's partition is this one."""
     if world is None or world.world_size == 1:
         return {}
     streamed = sorted((u for u in units if u.streamed and u.key is not None), key=lambda u: u.key)
-    elems = [layer_layout(u.tensors, compute_dtype).train_elems for u in streamed]
+    elems = [sum(n for n, _, t in u.tensors if t) for u in streamed]
     return {u.key: o for u, o in zip(streamed, unit_owners(elems, world.world_size))}
 
 

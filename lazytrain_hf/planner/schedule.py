@@ -64,7 +64,9 @@ class UnitBytes:
         reloaded: what ``offload_*`` brings back (``saved`` less the tensors freed before backward); None: same.
         input: bytes of the layer's input hidden states (what a recomputed layer leaves on its input tier).
         train_elems: elements of the unit's fp32 gradient accumulator (`LayerLayout.train_elems`, alignment
-            included): what its owner is chosen by and what a ``reduce`` moves (4 B each) in a data-parallel world.
+            included): what a ``reduce`` moves (4 B each) in a data-parallel world.
+        trainable: trainable elements of the unit's streamed parameters (their numels summed, no alignment): what
+            its owner is dealt by (`lazytrain_hf.planner.world.unit_owners`).
     """
 
     weight: int = 0
@@ -78,6 +80,7 @@ class UnitBytes:
     state_read: int = 0
     state_write: int = 0
     train_elems: int = 0
+    trainable: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,12 +134,12 @@ class Transfer:
 
 def unit_owners_of(plan: Plan, sizes: StepBytes, world: World | None = None) -> dict[int, int]:
     """``{unit key: owner rank}`` of the streamed units of ``plan`` in ``world`` (default: the plan's), dealt by
-    their ``train_elems`` in `world.unit_order` (`world.owners_by_key`); ``-1``: nothing to train."""
+    their ``trainable`` elements in `world.unit_order` (`world.owners_by_key`); ``-1``: nothing to train."""
     world = plan.world if world is None else world
     L = plan.num_layers
-    elems = {i: u.train_elems for i, u in enumerate(sizes.layers)}
+    elems = {i: u.trainable for i, u in enumerate(sizes.layers)}
     if plan.stream_embeddings:
-        elems.update({-1: sizes.embed.train_elems, L: sizes.head.train_elems})
+        elems.update({-1: sizes.embed.trainable, L: sizes.head.trainable})
     return owners_by_key(elems, L, plan.stream_embeddings, world.world_size)
 
 
@@ -302,10 +305,18 @@ def sizes_from_cost_model(cm: Any, stream_embeddings: bool = False) -> StepBytes
             g, r, w = cm.state_io_bytes(i)
             state = {"grad_file": g, "state_read": r, "state_write": w}
         layers.append(
-            UnitBytes(lc.weight_bytes, lc.grad_bytes, lc.saved_bytes, lc.input_bytes, train_elems=lc.params, **state)
+            UnitBytes(
+                lc.weight_bytes,
+                lc.grad_bytes,
+                lc.saved_bytes,
+                lc.input_bytes,
+                train_elems=lc.params,
+                trainable=lc.params,
+                **state,
+            )
         )
-    embed = UnitBytes(cm.embed_bytes, cm.embed_grad_bytes, train_elems=cm.embed_params)
-    head = UnitBytes(cm.head_bytes, cm.head_grad_bytes, train_elems=cm.head_params)
+    embed = UnitBytes(cm.embed_bytes, cm.embed_grad_bytes, train_elems=cm.embed_params, trainable=cm.embed_params)
+    head = UnitBytes(cm.head_bytes, cm.head_grad_bytes, train_elems=cm.head_params, trainable=cm.head_params)
     if stream_embeddings:
         return StepBytes(layers=layers, embed=embed, head=head, tied=not cm.head_bytes)
     return StepBytes(
@@ -387,6 +398,7 @@ def sizes_from_model(
                 inp,
                 reloaded,
                 train_elems=lay.train_elems if s_params else 0,
+                trainable=sum(n for n, _, t in tensors if t),
                 **state_terms(i, tensors, lay),
             )
         )
@@ -405,7 +417,13 @@ def sizes_from_model(
             tensors = [(p.numel(), p.dtype, p.requires_grad) for p in ps]
             lay = layer_layout(tensors, compute_dtype)
             g = sum(p.numel() * cdt(p).itemsize for p in ps if p.requires_grad)
-            return UnitBytes(lay.compute_bytes, g, train_elems=lay.train_elems, **state_terms(key, tensors, lay))
+            return UnitBytes(
+                lay.compute_bytes,
+                g,
+                train_elems=lay.train_elems,
+                trainable=sum(n for n, _, t in tensors if t),
+                **state_terms(key, tensors, lay),
+            )
 
         embed, head = unit(embed_params, -1), unit(head_params, len(layers_mod))
         streamed.update(id(p) for p in embed_params + head_params)
