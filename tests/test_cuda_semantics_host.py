@@ -325,6 +325,48 @@ def test_state_nvme_accumulated_gradient_is_read_off_the_training_thread(sim, tm
     assert on_training_thread == []
 
 
+def _compute_reads(monkeypatch) -> list[tuple[str, bool]]:
+    """Record (thread name, whether a wait there stalls the step) of every read of a unit's compute copy from its
+    state file until `StreamHandle.remove` reads the units back (on purpose, on the training thread)."""
+    import threading
+
+    from lazytrain_hf.streaming.nvmestate import NvmeState
+    from lazytrain_hf.threads import on_step_path
+
+    reads: list[tuple[str, bool]] = []
+    in_step = [True]
+    pread, leave_on_disk = NvmeState._pread, NvmeState.leave_on_disk
+
+    def spy(self, u, out, nbytes, offset):
+        if in_step[0] and offset == 0 and nbytes == u.compute_bytes:
+            reads.append((threading.current_thread().name, on_step_path()))
+        return pread(self, u, out, nbytes, offset)
+
+    def removing(self, key, ls):
+        in_step[0] = False
+        return leave_on_disk(self, key, ls)
+
+    monkeypatch.setattr(NvmeState, "_pread", spy)
+    monkeypatch.setattr(NvmeState, "leave_on_disk", removing)
+    return reads
+
+
+def test_state_nvme_fetch_is_read_off_the_training_thread(sim, tmp_path, monkeypatch):
+    """Defect (reads on the training thread): a unit whose state is on NVMe was fetched by a synchronous pread of its
+    compute copy on the thread that issues the fetch (the training thread in forward, the autograd thread in
+    backward) before its H2D copy was issued, so every prefetch blocked the host for a whole read. The read now runs
+    on the state's reader thread, which issues the H2D copy once the read landed; gradients over two micro-batches
+    stay bit-exact to the state in RAM."""
+    ram = _grads(tmp_path / "ram", [], 2)
+    reads = _compute_reads(monkeypatch)
+    disk = _grads(tmp_path, [0, 1, 2, 3], 2)
+    assert len(reads) >= 2 * 4, reads  # each unit fetched at least once per micro-batch
+    on_step = [name for name, stalls in reads if stalls]
+    assert on_step == [], f"{len(on_step)} of {len(reads)} fetch reads on the step's threads: {sorted(set(on_step))}"
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+
+
 def test_pinned_memory_is_allocated_through_lazytrain_pinned():
     """Every page-locked allocation of the package goes through `lazytrain_hf.pinned` (exact-size registered blocks,
     or the caching host allocator accounted at its power of two), where the simulation sees it: no tensor factory
