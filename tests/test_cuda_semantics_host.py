@@ -114,11 +114,14 @@ def _batch(model, seed: int) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
 
 
-def _grads(tmp_path, state_nvme: list[int], ga: int, **model_kw) -> dict[str, torch.Tensor]:
-    """Host gradients after ``ga`` micro-batches (accumulated) with the given units' state on NVMe."""
+def _grads(
+    tmp_path, state_nvme: list[int], ga: int, prefetch_depth: int = 1, seen: dict | None = None, **model_kw
+) -> dict[str, torch.Tensor]:
+    """Host gradients after ``ga`` micro-batches (accumulated) with the given units' state on NVMe; ``seen`` gets the
+    step's host syncs (before the gradients are read) and the most fetch windows allocated at once."""
     model = tiny_model("qwen3", **model_kw)
     L = model.config.num_hidden_layers
-    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=state_nvme)
+    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=state_nvme, prefetch_depth=prefetch_depth)
     handle = attach(model, plan, "cpu", state_nvme_dir=str(tmp_path) if state_nvme else None)
     try:
         handle.zero_grad()
@@ -127,6 +130,10 @@ def _grads(tmp_path, state_nvme: list[int], ga: int, **model_kw) -> dict[str, to
             ids = _batch(model, k)
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
+        if seen is not None:
+            seen["sync_reasons"] = dict(handle.trace.current["sync_reasons"])
+            if handle.nvme_state is not None:
+                seen["fetch_windows"] = handle.nvme_state.fetch_windows.most_allocated
         return {n: g.clone() for n, g in handle.grads().items()}
     finally:
         handle.remove()
@@ -363,6 +370,41 @@ def test_state_nvme_fetch_is_read_off_the_training_thread(sim, tmp_path, monkeyp
     assert len(reads) >= 2 * 4, reads  # each unit fetched at least once per micro-batch
     on_step = [name for name, stalls in reads if stalls]
     assert on_step == [], f"{len(on_step)} of {len(reads)} fetch reads on the step's threads: {sorted(set(on_step))}"
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+
+
+def test_state_nvme_fetch_windows_are_bounded(sim, tmp_path, monkeypatch):
+    """Note: [A fetch from NVMe is read off the step's threads]: with fetches issued three stages ahead and every H2D
+    copy stalling for longer than a forward, the reads still go through at most `STATE_FETCH_WINDOWS` fetch windows
+    (the host footprint's charge), each reused only once the copy that read it completed: a window refilled earlier
+    would hand the slot the next unit's bytes, and the gradients would differ from the state in RAM."""
+    from lazytrain_hf.planner.hostmem import STATE_FETCH_WINDOWS
+
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "1")
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS", "transfer-h2d")
+    ram = _grads(tmp_path / "ram", [], 1, prefetch_depth=3)
+    seen: dict = {}
+    disk = _grads(tmp_path, [0, 1, 2, 3], 1, prefetch_depth=3, seen=seen)
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+    assert seen["fetch_windows"] == STATE_FETCH_WINDOWS, seen
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_state_nvme_gradients_cross_without_host_syncs(sim, tmp_path, monkeypatch, ga):
+    """The gradient path of units whose state is on NVMe: the D2H copies land in registered windows (a pageable one
+    raises, ``test_state_nvme_windows_are_pinned``), the accumulated gradient is read and the window written back on
+    the host worker (``test_state_nvme_accumulated_gradient_is_read_off_the_training_thread``), so a step's threads
+    never wait per unit for a gradient: the only host syncs of a step (before its gradients are read) are fetches
+    waiting for their NVMe read, which the run with the state in RAM does not have, and the gradients are equal."""
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "0")  # no worker lags a whole forward behind
+    seen_ram: dict = {}
+    seen: dict = {}
+    ram = _grads(tmp_path / "ram", [], ga, seen=seen_ram)
+    disk = _grads(tmp_path, [0, 1, 2, 3], ga, seen=seen)
+    assert seen_ram["sync_reasons"] == {}, seen_ram
+    assert set(seen["sync_reasons"]) <= {"a fetch waits for its read from NVMe"}, seen
     for n in ram:
         assert torch.equal(ram[n], disk[n]), n
 
