@@ -391,6 +391,52 @@ def test_state_nvme_fetch_windows_are_bounded(sim, tmp_path, monkeypatch):
     assert seen["fetch_windows"] == STATE_FETCH_WINDOWS, seen
 
 
+def test_state_nvme_fetch_read_stalls_are_waited_for(sim, tmp_path, monkeypatch):
+    """The simulation models the read of a fetch from NVMe as a background worker (``state-read``, Note: [Every
+    background worker stalls for longer than a forward] in lazytrain_hf/streams.py): with every read stalling, the
+    slots are poisoned until read and copy landed, the compute side waits for both (counted as host syncs: the step
+    does block when a read is late) and the gradients equal the state in RAM."""
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "1")
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS", "state-read")
+    ram = _grads(tmp_path / "ram", [], 1)
+    seen: dict = {}
+    disk = _grads(tmp_path, [0, 1, 2, 3], 1, seen=seen)
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+    assert seen["sync_reasons"].get("a fetch waits for its read from NVMe", 0) > 0, seen
+
+
+def test_state_nvme_fetch_read_error_reaches_the_step(sim, tmp_path, monkeypatch):
+    """A read of a fetch that fails on the reader thread is raised on the step's thread where the compute side waits
+    for that fetch (as the read on the training thread raised it), and the handle is removed cleanly afterwards."""
+    from lazytrain_hf.streaming.nvmestate import NvmeState
+    from lazytrain_hf.streaming.statelayout import StateNvmeError
+
+    model = tiny_model("qwen3")
+    L = model.config.num_hidden_layers
+    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=list(range(L)))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    handle = attach(model, plan, "cpu", state_nvme_dir=str(tmp_path))
+    pread = NvmeState._pread
+
+    def failing(self, u, out, nbytes, offset):
+        if u.key == 2 and offset == 0 and nbytes == u.compute_bytes:
+            raise StateNvmeError(5, "injected read failure")
+        return pread(self, u, out, nbytes, offset)
+
+    monkeypatch.setattr(NvmeState, "_pread", failing)
+    ids = _batch(model, 0)
+    try:
+        with pytest.raises(StateNvmeError, match="injected read failure"):
+            model(input_ids=ids, labels=ids)
+    finally:
+        monkeypatch.setattr(NvmeState, "_pread", pread)
+        handle.remove()
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(torch.equal(before[n], after[n]) for n in before)  # no step ran: every weight back as it was
+
+
 @pytest.mark.parametrize("ga", [1, 2])
 def test_state_nvme_gradients_cross_without_host_syncs(sim, tmp_path, monkeypatch, ga):
     """The gradient path of units whose state is on NVMe: the D2H copies land in registered windows (a pageable one

@@ -61,7 +61,8 @@ Note: [A fetch from NVMe is read off the step's threads]
     forward] in lazytrain_hf/streams.py). The reader and writer are daemon threads started with the state (Note:
     [Spill I/O threads never block exit] in activations/nvme.py). Tests:
     ``tests/test_cuda_semantics_host.py::test_state_nvme_fetch_is_read_off_the_training_thread`` (no read of a
-    compute copy on the step's threads, gradients bit-exact) and ``::test_state_nvme_fetch_windows_are_bounded``.
+    compute copy on the step's threads, gradients bit-exact), ``::test_state_nvme_fetch_windows_are_bounded``,
+    ``::test_state_nvme_fetch_read_stalls_are_waited_for`` and ``::test_state_nvme_fetch_read_error_reaches_the_step``.
 
 I/O moves whole `IO_ALIGN` blocks between aligned host windows and aligned file offsets with ``O_DIRECT`` (the page
 cache is never used, so the host footprint is the windows'), or, on filesystems that refuse ``O_DIRECT``, with

@@ -18,12 +18,11 @@ from collections import deque
 from typing import Any
 
 from .. import pinned
-from ..planner.hostmem import STATE_FETCH_WINDOWS
+from ..planner.hostmem import STATE_FETCH_WINDOWS, STATE_GRAD_WINDOWS
 
-# Free windows kept per size (fetch windows and gradient windows have sizes of their own): as many as the host
-# footprint charges of each (planner/hostmem.py: STATE_FETCH_WINDOWS, STATE_GRAD_WINDOWS); a window beyond that is
-# released (unregistered, then freed).
-KEEP_FREE = 2
+# Free gradient windows kept per size: as many as the host footprint charges (planner/hostmem.py:
+# STATE_GRAD_WINDOWS); a window beyond that is released (unregistered, then freed).
+KEEP_FREE = STATE_GRAD_WINDOWS
 
 
 class WindowPool:
