@@ -178,6 +178,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 block_size=int(state_nvme.get("block_size", 256)),
                 min_8bit_size=int(state_nvme.get("min_8bit_size", 4096)),
                 pin_memory=pin,
+                simulated=self.engine.simulated,
             )
             wanted = set(plan.state_nvme)
             self.store.no_grad_buffer = set(wanted)  # their gradients live in their state files
