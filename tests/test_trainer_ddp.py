@@ -61,6 +61,39 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, policy):
     assert any(not torch.allclose(ref[k], initial[k]) for k in ref)
 
 
+# --------------------------------------------------------------------------- the training state partitioned by unit
+def _launch(out, nproc: int, *args: str, timeout: int = 900) -> list[dict]:
+    """Run tests/helpers/ddp_train.py on ``nproc`` ranks (one plain process for 1) and return each rank's stats."""
+    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    cmd = (head if nproc > 1 else [sys.executable]) + [SCRIPT, "--out", str(out), *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    return [json.loads((out / f"rank{r}.stats.json").read_text()) for r in range(nproc)]
+
+
+def _state_bytes(stats: dict) -> int:
+    """Host bytes of the streamed units' training state on one rank: fp32 masters, gradient accumulators, moments."""
+    return stats["master_bytes"] + stats["grad_bytes"] + stats["moment_bytes"]
+
+
+def test_each_rank_holds_and_updates_only_its_partition(tmp_path):
+    """Note: [The training state is partitioned by unit] (planner/world.py): on 2 ranks each rank holds the masters,
+    8-bit moments and gradient accumulators of its own units only (the two ranks' bytes add up to one process's,
+    each about half), and its optimizer updates exactly those units; together they update every unit once."""
+    single = _launch(tmp_path / "single", 1, "--per-device-batch", "4")[0]
+    ranks = _launch(tmp_path / "ddp", 2, "--per-device-batch", "2")
+    total = _state_bytes(single)
+    per_rank = [_state_bytes(s) for s in ranks]
+    print(f"streamed training state bytes: 1 rank {total}, 2 ranks {per_rank}")
+    print(f"updated units: 1 rank {single['updated_units']}, 2 ranks {[s['updated_units'] for s in ranks]}")
+    assert total > 0 and single["updated_units"] == single["units"]
+    assert sum(per_rank) == total, per_rank
+    assert all(b <= 0.55 * total for b in per_rank), per_rank  # 4 equal layers: 2 each
+    updated = [set(s["updated_units"]) for s in ranks]
+    assert updated[0].isdisjoint(updated[1]) and updated[0] | updated[1] == set(single["units"]), updated
+    assert all(len(u) == 2 for u in updated), updated
+
+
 # --------------------------------------------------------------------------- gradient accumulation, reductions counted
 # Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
 # (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of
