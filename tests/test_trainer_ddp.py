@@ -94,6 +94,56 @@ def test_each_rank_holds_and_updates_only_its_partition(tmp_path):
     assert all(len(u) == 2 for u in updated), updated
 
 
+def _match_one_process(tmp_path, nproc: int, *args: str, global_batch: int = 4) -> tuple[dict, list[dict]]:
+    """``nproc`` ranks and one process at the same global batch: every rank ends with the same weights, bit for bit,
+    equal to the one process's within ATOL / RTOL, the same losses within LOSS_RTOL; returns the stats."""
+    single = _launch(tmp_path / "single", 1, "--per-device-batch", str(global_batch), *args)[0]
+    ranks = _launch(tmp_path / "ddp", nproc, "--per-device-batch", str(global_batch // nproc), *args)
+    ref = load_file(tmp_path / "single" / "rank0.safetensors")
+    got = [load_file(tmp_path / "ddp" / f"rank{r}.safetensors") for r in range(nproc)]
+    for r in range(1, nproc):
+        for k in got[0]:
+            assert torch.equal(got[0][k], got[r][k]), f"{k} differs between rank 0 and rank {r}"
+    for k in ref:
+        torch.testing.assert_close(got[0][k], ref[k], atol=ATOL, rtol=RTOL, msg=k)
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL)
+    updated = [set(s["updated_units"]) for s in ranks]
+    assert set().union(*updated) == set(single["updated_units"]) == set(single["units"])
+    assert sum(len(u) for u in updated) == len(single["units"])  # each unit updated by one rank
+    assert sum(_state_bytes(s) for s in ranks) == _state_bytes(single)
+    return single, ranks
+
+
+def test_partitioned_state_on_nvme_matches_one_process(tmp_path):
+    """The state on NVMe (state_nvme_dir, every unit): each rank's state files hold only the units it owns; losses
+    and weights as one process at the global batch."""
+    nvme = tmp_path / "nvme"
+    single, ranks = _match_one_process(tmp_path, 2, "--state-nvme", str(nvme))
+    assert single["nvme_units"] == single["units"]
+    for s in ranks:
+        assert s["nvme_units"] == s["updated_units"], s  # its own units, all of them, on NVMe
+
+
+def test_partitioned_moe_with_streamed_embeddings_matches_one_process(tmp_path):
+    """A MoE model (tiny qwen3_moe: experts no local token reached take part in the reduce with zeros) with the
+    embedding and the head streamed as units (unit order: embedding, layers, head), gradient accumulation 2."""
+    single, ranks = _match_one_process(
+        tmp_path, 2, "--model-type", "qwen3_moe", "--stream-embeddings", "--ga", "2"
+    )
+    assert -1 in single["units"] and 4 in single["units"]  # the embedding and the head units
+
+
+@pytest.mark.slow
+def test_four_ranks_hold_a_quarter_each_and_match_one_process(tmp_path):
+    """4 ranks x 1 sequence against one process x 4: a quarter of the training state and one unit updated per rank
+    (the tiny qwen3's 4 equal decoder layers), weights and losses as one process."""
+    single, ranks = _match_one_process(tmp_path, 4)
+    per_rank = [_state_bytes(s) for s in ranks]
+    print(f"streamed training state bytes: 1 rank {_state_bytes(single)}, 4 ranks {per_rank}")
+    assert all(4 * b == _state_bytes(single) for b in per_rank), per_rank
+    assert [s["updated_units"] for s in ranks] == [[0], [1], [2], [3]]
+
+
 # --------------------------------------------------------------------------- gradient accumulation, reductions counted
 # Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
 # (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of

@@ -42,6 +42,7 @@ def main() -> None:
     from transformers import TrainerCallback
 
     from lazytrain_hf.optim import HybridAdamW8bit
+    from lazytrain_hf.streaming.nvmestate import NvmeState
     from lazytrain_hf.training import planning
 
     rank = int(os.environ.get("RANK", "0"))
@@ -80,6 +81,14 @@ def main() -> None:
         return real_update(self, p, *args, **kwargs)
 
     HybridAdamW8bit._update = recording_update
+    updated_nvme: set[int] = set()  # units updated out of core (state on NVMe)
+    real_update_unit = NvmeState.update_unit
+
+    def recording_update_unit(self, key, *args, **kwargs):
+        updated_nvme.add(key)
+        return real_update_unit(self, key, *args, **kwargs)
+
+    NvmeState.update_unit = recording_update_unit
     stats: dict = {}
 
     class Record(TrainerCallback):
@@ -93,7 +102,9 @@ def main() -> None:
             stats["compute_bytes"] = hb["compute"]
             stats["moment_bytes"] = sum(_state_nbytes(v) for m in streamed for v in opt.state.get(m, {}).values())
             stats["updated_units"] = sorted(
-                i for i, entries in updater.layers.items() if any(id(m) in updated_ids for _, m, _ in entries)
+                i
+                for i, entries in updater.layers.items()
+                if i in updated_nvme or any(id(m) in updated_ids for _, m, _ in entries)
             )
             stats["units"] = sorted(handle.store.layers)
             if handle.nvme_state is not None:
