@@ -136,8 +136,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.resident_guard: Callable[[], None] | None = None
         # Called as grad_reducer(layer, grads) on a layer's complete device gradients (one tensor per trainable
         # parameter, in a fixed order, zeros where a parameter got none) before their norm is taken and they are
-        # offloaded. The trainer uses `host_grad_reducer` instead (Note: [Data parallel reduces the host
-        # accumulators once per step] in gradients.py): once per optimizer step, on the host fp32 accumulators.
+        # offloaded. `host_grad_reducer` (Note: [Data parallel reduces the host accumulators once per step] in
+        # gradients.py): once per optimizer step, on the host fp32 accumulators of a replicated state.
         self.grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
         self.host_grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
         # With `unit_owners`: called as owner_grad_reducer(unit, flat, owner, last) on every rank, every micro-batch,
