@@ -117,8 +117,7 @@ class RemoteGradStaging:
         self._free[k].set()
 
     def close(self) -> None:
-        for ev in self._free:
-            ev.wait()
+        """Free the buffers; the caller drained the worker first (`StreamHandle.remove` synchronises)."""
         for block in self._pins:
             block.release()
         self._pins.clear()
