@@ -91,6 +91,9 @@ def test_each_rank_holds_and_updates_only_its_partition(tmp_path):
     updated = [set(s["updated_units"]) for s in ranks]
     assert updated[0].isdisjoint(updated[1]) and updated[0] | updated[1] == set(single["units"]), updated
     assert all(len(u) == 2 for u in updated), updated
+    # Note: [The node's compute copy is shared by its ranks]: every unit's compute copy in the node's segment, once
+    for s in ranks:
+        assert s["compute_in_node_copy"] and s["node_copy_bytes"] >= single["compute_bytes"], s
     # the trace's lane "net": per step, the fp32 gradients of the units a rank does not own (the accumulator bytes it
     # does not hold) sent to their owners; nothing gathered from another node on one node
     assert single["net"] == [{}] * 3

@@ -110,6 +110,13 @@ def main() -> None:
                 if i in updated_nvme or any(id(m) in updated_ids for _, m, _ in entries)
             )
             stats["units"] = sorted(handle.store.layers)
+            # the compute copies in the node's shared segment (data parallel), or in this process's memory
+            nc = handle.store.node_copy
+            if nc is not None:
+                lo, hi = nc.data.data_ptr(), nc.data.data_ptr() + nc.data_nbytes
+                shared = handle.store.shared_compute.values()
+                stats["compute_in_node_copy"] = all(lo <= t.data_ptr() < hi for t in shared)
+                stats["node_copy_bytes"] = nc.data_nbytes
             # the trace's lane "net" per completed step, by kind (reduce, gather)
             stats["net"] = []
             for step in handle.trace.steps:
