@@ -165,6 +165,42 @@ def test_partitioned_bf16_compute_copy_gives_every_rank_the_fp32_masters(tmp_pat
 
 
 @pytest.mark.slow
+def test_two_nodes_gather_the_units_owned_on_the_other_node(tmp_path):
+    """Two ``torch.distributed.run --nnodes 2`` launches on localhost, one rank each: each node has its own node
+    copy; a unit owned on the other node arrives by a broadcast in the local-rank group and is recorded on the lane
+    ``net`` as ``gather`` (its compute-copy bytes, once per step); weights and losses as one process."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "ddp"
+    args = ["--out", str(out), "--per-device-batch", "2"]
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
+             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT, *args],
+            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        )
+        for node in (0, 1)
+    ]
+    logs = [p.communicate(timeout=900)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    ranks = [json.loads((out / f"rank{r}.stats.json").read_text()) for r in range(2)]
+    single = _launch(tmp_path / "single", 1, "--per-device-batch", "4")[0]
+    ref = load_file(tmp_path / "single" / "rank0.safetensors")
+    got = [load_file(out / f"rank{r}.safetensors") for r in range(2)]
+    for k in ref:
+        assert torch.equal(got[0][k], got[1][k]), k
+        torch.testing.assert_close(got[0][k], ref[k], atol=ATOL, rtol=RTOL, msg=k)
+    assert ranks[0]["losses"] == pytest.approx(single["losses"], rel=LOSS_RTOL)
+    per_unit = single["compute_bytes"] // len(single["units"])  # the tiny qwen3's 4 equal layers
+    for s in ranks:
+        remote = len(s["units"]) - len(s["updated_units"])
+        assert s["net"] == [{"reduce": single["grad_bytes"] - s["grad_bytes"], "gather": remote * per_unit}] * 3
+
+
+@pytest.mark.slow
 def test_four_ranks_hold_a_quarter_each_and_match_one_process(tmp_path):
     """4 ranks x 1 sequence against one process x 4: a quarter of the training state and one unit updated per rank
     (the tiny qwen3's 4 equal decoder layers), weights and losses as one process."""
