@@ -83,7 +83,8 @@ class LayerwiseUpdater:
                 continue
             self.layers[i] = [(e.name, ls.master_views[e.name], ls.grad_views[e.name]) for e in ls.trainable_entries]
         # Note: [The node's compute copy is shared by its ranks] (training/dataparallel.py):
-        # units another rank updates; this rank receives their compute copy, in unit order among its own updates
+        # units another rank updates; this rank waits for their new compute copy in the node copy (or receives it
+        # from another node), in unit order among its own updates
         self.data_parallel = data_parallel
         self.remote = [i for i, ls in sorted(handle.store.layers.items()) if ls.remote]
         if self.remote and data_parallel is None:
