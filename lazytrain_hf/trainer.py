@@ -92,7 +92,7 @@ class LazyTrainer(Trainer):
         self._best_pending = False
         self._previous_optimizer: torch.optim.Optimizer | None = None
         self._prebuilt_optimizer: torch.optim.Optimizer | None = None  # Note: [create_optimizer() before train()]
-        self._dp_host_group = None  # the gloo group of the once-per-step reduction of host accumulators
+        self._dp: dataparallel.PartitionedDataParallel | None = None  # data parallel: the state partitioned by unit
         self._legacy_group_names: list[list[str]] | None = None  # Note: [Optimizer state is matched by parameter name]
         self._longer_batch_seen = False  # Note: [The plan is made for the longest batch] (warned once for a plan file)
         # Notes: [Callbacks see the updated weights], [In-place edits of weights are folded into the masters]
@@ -115,6 +115,8 @@ class LazyTrainer(Trainer):
             self.optimizer = None  # Note: [create_optimizer() before train()]
         contract.check_given_optimizer(self.optimizer)
         checkpoint = checkpoints.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if self.args.world_size > 1:
+            dataparallel.check_partitioned_args(self.args, checkpoint)
         self.check_host_memory(None)  # the model's own state, before a warm-up or a solve allocates anything
         plan = None
         if checkpoint is not None:
@@ -156,6 +158,7 @@ class LazyTrainer(Trainer):
             nvme_dir=self.args.activation_nvme_dir,
             compute_dtype=self._compute_dtype(),
             **self._state_nvme_kwargs(),
+            **self._partition_kwargs(plan),
         )
         if "nvme" in plan.tiers_used():
             try:
@@ -174,16 +177,12 @@ class LazyTrainer(Trainer):
             # Note: [Squared norms of accumulated gradients] in streaming/gradients.py: norms (and, in data
             # parallel, reductions) only on the last micro-batch of an optimizer step, as Trainer's gradient state says
             self.stream_handle.last_micro_batch = lambda: self.accelerator.sync_gradients
-            if self.args.world_size > 1:
-                import torch.distributed as dist
-
-                # Note: [Data parallel reduces the host accumulators once per step]: on their own gloo group (the
-                # host buffers are CPU tensors, reduced on the executor's worker thread on CUDA, so never on the
-                # group the training thread's collectives use)
-                self._dp_host_group = dist.new_group(backend="gloo")
-                self.stream_handle.host_grad_reducer = self._all_reduce_layer
+            if self._dp is not None:  # Note: [The training state is partitioned by unit] (dataparallel.py)
+                self._dp.bind(self.stream_handle)
             self.model_init = None  # Trainer.train() would build another model than the one streamed
             result = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
+            if self._dp is not None and self._updater is not None:
+                self._dp.gather_masters(self.stream_handle, self._updater)  # before remove() gives them back
         finally:
             self.model_init = model_init
             with contextlib.suppress(AttributeError):
@@ -197,6 +196,8 @@ class LazyTrainer(Trainer):
                 self._write_trace()  # a run of at most stream_trace_steps steps (its updates are complete now)
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
+            dp, self._dp = self._dp, None
+            dp is not None and dp.close()  # the node copy, once no parameter points into it
         if self._best_pending:
             # Note: [The best model is loaded into the unstreamed model]
             self._best_pending = False
@@ -363,19 +364,18 @@ class LazyTrainer(Trainer):
             return  # Note: [The executor owns placement]
         super()._move_model_to_device(model, device)
 
-    def _all_reduce_layer(self, layer: int, grads: list[torch.Tensor]) -> None:
-        """Average gradients over the data-parallel ranks in place, in fp32, once per optimizer step: a layer's flat
-        fp32 host accumulator (``layer >= 0`` or a streamed unit, on the gloo group made for them) or the resident
-        parameters' device gradients (``layer == -1``, on the default group); `dataparallel.all_reduce_mean`."""
-        dataparallel.all_reduce_mean(grads, group=self._dp_host_group if layer != -1 else None)
+    def _partition_kwargs(self, plan) -> dict[str, Any]:
+        """Note: [The training state is partitioned by unit]: each rank holds its own units' training state."""
+        if self.args.world_size <= 1:
+            return {}
+        self._dp = dataparallel.PartitionedDataParallel.for_run(self.model, plan, self.args, self._compute_dtype())
+        return self._dp.attach_kwargs()
 
     def _reduce_resident_grads(self) -> None:
         """The resident parameters' gradients averaged over the ranks, once per optimizer step (before the norm)."""
-        if self.args.world_size <= 1 or self.stream_handle is None or self._resident_reduced:
+        if self._dp is None or self.stream_handle is None or self._resident_reduced:
             return
-        grads = [p.grad for _, p in self.stream_handle.resident_parameters() if p.grad is not None]
-        if grads:
-            self._all_reduce_layer(-1, grads)
+        self._dp.reduce_resident(self.stream_handle)
         self._resident_reduced = True
 
     # ------------------------------------------------------------------ inference while streamed
@@ -456,7 +456,7 @@ class LazyTrainer(Trainer):
         prebuilt, self._prebuilt_optimizer = self._prebuilt_optimizer, None
         decay = set(self.get_decay_parameter_names(model))
         if self.stream_handle is not None:
-            self._updater = LayerwiseUpdater(self.stream_handle, overlap=self._overlap_enabled())
+            self._updater = LayerwiseUpdater(self.stream_handle, self._overlap_enabled(), data_parallel=self._dp)
             ckpt, in_weights = self._preloaded_checkpoint, set(saved_weights.cast_overrides(self.stream_handle))
             checkpoints.restore_masters(ckpt, self.stream_handle, self._updater, "resident", in_weights)
             named = self._updater.named_masters()
@@ -548,6 +548,8 @@ class LazyTrainer(Trainer):
 
     def _grad_norm_now(self, model) -> float:
         self._reduce_resident_grads()
+        if self._dp is not None:
+            return self._dp.global_grad_norm(self.stream_handle)  # Note: [The global norm of a partitioned state]
         if self.stream_handle is not None:
             return float(self.stream_handle.global_grad_norm())
         from .optim.clip import global_norm, partial_sq_norms
@@ -609,6 +611,8 @@ class LazyTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        if self._dp is not None:  # a rank holds its own units' training state only
+            raise ValueError(dataparallel.partitioned_save_error(self.args))
         if self._updater is not None:
             self._updater.wait_all()  # weights of every layer updated before they are written
         output_dir = output_dir if output_dir is not None else self.args.output_dir

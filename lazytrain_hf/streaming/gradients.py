@@ -25,7 +25,26 @@ Note: [Data parallel reduces the host accumulators once per step]
     (``[LayerStore.grad]``) and averages it across ranks in place (the trainer uses a gloo group, so it runs on
     the worker thread on CUDA while the next layers' backward goes on); the norm is then taken of the reduced
     accumulator. Earlier micro-batches accumulate locally, as ``no_sync`` does for DDP. Every rank completes its
-    layers in the same order, so the reductions pair up. Test: ``tests/test_trainer_ddp.py``.
+    layers in the same order, so the reductions pair up. This is the replicated state (every rank holds every
+    accumulator); `LazyTrainer` partitions it instead (Note: [Partitioned gradients are reduced to their owner every
+    micro-batch]), ``host_grad_reducer`` stays for a `StreamHandle` used without ``unit_owners``.
+
+Note: [Partitioned gradients are reduced to their owner every micro-batch]
+    With the training state partitioned by unit (`StreamHandle.unit_owners`; Note: [The training state is
+    partitioned by unit] in planner/world.py) only the owner of a unit has its fp32 accumulator. When the unit's
+    backward is complete, the owner adds its device gradient into the accumulator as without data parallel; any
+    other rank copies it into a reused fp32 staging buffer (`RemoteGradStaging`: at most
+    `REMOTE_STAGING_UNITS` units' gradients, as the gradient staging of `planner.hostmem.GRAD_STAGING_LAYERS`).
+    Then every rank calls ``owner_grad_reducer(unit, flat, owner, last)`` on that buffer, which sums the ranks'
+    buffers into the owner's accumulator (a reduce, on the executor's worker thread on CUDA, like the all-reduce it
+    replaces). A non-owner has nowhere to accumulate a gradient across micro-batches, so with gradient accumulation
+    the reduce runs every micro-batch, not once per optimizer step: the owner's accumulator then holds the sum of
+    the earlier micro-batches of every rank plus this one's, the others' staging only this micro-batch's gradient
+    (DeepSpeed ZeRO-2 reduces every micro-batch for the same reason). The reducer divides by the world size once,
+    on the owner, at the last micro-batch; the owner then takes the squared norm of its reduced accumulator (on the
+    host, Note: [Squared norms of accumulated gradients]); a non-owner takes none. Every rank completes its units
+    in the same order, so the reduces pair up. Each non-owner's reduce is recorded in the trace on the lane ``net``
+    as ``reduce`` with the unit's fp32 gradient bytes. Tests: ``tests/test_trainer_ddp.py``.
 """
 
 from __future__ import annotations
@@ -37,8 +56,12 @@ from collections.abc import Callable
 import torch
 from torch.utils.hooks import RemovableHandle
 
+from .. import pinned
 from ..activations.tiers import simulated_host_lead
 from .binder import LayerState
+
+# Note: [Partitioned gradients are reduced to their owner every micro-batch]: units' gradients staged at once
+REMOTE_STAGING_UNITS = 2
 
 # Elements per piece of a squared norm taken in fp32 over a lower-precision gradient (`squared_norm`)
 NORM_CHUNK = 1 << 24
@@ -56,6 +79,50 @@ def squared_norm(g: torch.Tensor) -> torch.Tensor:
     return sq
 
 
+class RemoteGradStaging:
+    """Note: [Partitioned gradients are reduced to their owner every micro-batch]
+    `REMOTE_STAGING_UNITS` fp32 buffers of ``numel`` elements (the largest unit owned elsewhere; registered when
+    ``pin``) for the gradients of units whose accumulator another rank owns. `acquire` hands out a buffer once the
+    reduce of its previous unit ran (`release`, on the worker thread), counting a host wait when it has to block."""
+
+    def __init__(self, numel: int, pin: bool, on_wait: Callable[[str], None]):
+        self._pins: list = []
+        self.buffers = [
+            pinned.pinned_empty(numel, torch.float32, pin, self._pins, "remote gradient staging")
+            for _ in range(REMOTE_STAGING_UNITS)
+        ]
+        self._free = [threading.Event() for _ in self.buffers]
+        for ev in self._free:
+            ev.set()
+        self._next = 0
+        self._on_wait = on_wait
+
+    def __repr__(self) -> str:
+        return f"RemoteGradStaging({len(self.buffers)} x {self.buffers[0].numel()} fp32)"
+
+    @property
+    def nbytes(self) -> int:
+        return sum(b.numel() * 4 for b in self.buffers)
+
+    def acquire(self) -> int:
+        k = self._next
+        self._next = (k + 1) % len(self.buffers)
+        if not self._free[k].is_set():
+            self._on_wait("remote gradient staging reused after its reduce")
+            self._free[k].wait()
+        self._free[k].clear()
+        return k
+
+    def release(self, k: int) -> None:
+        self._free[k].set()
+
+    def close(self) -> None:
+        """Free the buffers; the caller drained the worker first (`StreamHandle.remove` synchronises)."""
+        for block in self._pins:
+            block.release()
+        self._pins.clear()
+
+
 class GradientSink:
     """`StreamHandle`'s gradient handling (see the module docstring)."""
 
@@ -65,6 +132,9 @@ class GradientSink:
     # Note: [Data parallel reduces the host accumulators once per step]: called as host_grad_reducer(layer, [flat])
     # on the layer's flat fp32 host accumulator after the last micro-batch's addition, before its norm is taken.
     host_grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
+    # Note: [Partitioned gradients are reduced to their owner every micro-batch]: owner_grad_reducer(unit, flat,
+    # owner, last), set with `unit_owners`
+    owner_grad_reducer: Callable[[int, torch.Tensor, int, bool], None] | None = None
     # norm passes taken so far: over device gradients, over host accumulators (Note: [Squared norms of accumulated
     # gradients]); read after `synchronize`
     device_norm_passes: int = 0
@@ -85,10 +155,14 @@ class GradientSink:
         st.completed = True
         self._account()  # the layer's device gradients are all there now: the backward high-water mark
         ls = st.store
-        if ls is not None and ls.grad is not None:
+        if ls is not None and ls.remote:
+            self._complete_remote(i, ls)  # Note: [Partitioned gradients are reduced to their owner every micro-batch]
+            self._drop_device_grads(st)
+        elif ls is not None and ls.grad is not None:
             fresh = not ls.has_grad
             last = self._is_last_micro_batch()
-            reduce = last and self.host_grad_reducer is not None
+            to_owner = self.owner_grad_reducer is not None
+            reduce = to_owner or (last and self.host_grad_reducer is not None)
             spilled = self._spilled(i)
             if spilled:
                 # the accumulator is a host window over the unit's file (lazytrain_hf.streaming.nvmestate)
@@ -124,7 +198,9 @@ class GradientSink:
             else:
                 self.sq_norms.pop(i, None)
             ls.has_grad = True
-            after = self._after_offload(i, host_norm=last and not device_norm, reduce=reduce, spilled=spilled)
+            after = self._after_offload(
+                i, host_norm=last and not device_norm, reduce=reduce, spilled=spilled, last=last
+            )
             self.engine.offload_grads(pairs, accumulate=not fresh, after=after, layer=i)
             self._drop_device_grads(st)
         elif self._callbacks:
@@ -156,7 +232,7 @@ class GradientSink:
         return spill is not None and i in spill.units
 
     def _after_offload(
-        self, i: int, host_norm: bool, reduce: bool = False, spilled: bool = False
+        self, i: int, host_norm: bool, reduce: bool = False, spilled: bool = False, last: bool = True
     ) -> Callable[[], None] | None:
         if not host_norm and not reduce and not self._callbacks and not spilled:
             return None
@@ -166,7 +242,10 @@ class GradientSink:
         def after() -> None:
             ls = self.store.layers[i]
             flat = ls.grad
-            if reduce:
+            if reduce and self.owner_grad_reducer is not None:
+                # Note: [Partitioned gradients are reduced to their owner every micro-batch]
+                self.owner_grad_reducer(i, flat, self.rank, last)
+            elif reduce:
                 # Note: [Data parallel reduces the host accumulators once per step]
                 self.host_grad_reducer(i, [flat])
             if host_norm:
@@ -178,6 +257,54 @@ class GradientSink:
                 written.set()
 
         return after
+
+    def _complete_remote(self, i: int, ls) -> None:
+        """Note: [Partitioned gradients are reduced to their owner every micro-batch]
+        A unit whose accumulator another rank owns: its device gradients go into a staging buffer, which the worker
+        reduces to the owner once the copy landed; no norm is taken here."""
+        if self.owner_grad_reducer is None:
+            raise RuntimeError(
+                f"unit {i}'s training state is owned by rank {self.unit_owners[i]}, but no owner_grad_reducer is set "
+                "to send its gradients there (the trainer installs it with the data-parallel groups)."
+            )
+        staging = self.__dict__.get("_remote_staging")
+        if staging is None:
+            n = max(s.layout.train_elems for s in self.store.layers.values() if s.remote)
+            staging = self.__dict__["_remote_staging"] = RemoteGradStaging(n, self.store.pin_memory, self._host_sync)
+        k = staging.acquire()
+        n = ls.layout.train_elems
+        flat = staging.buffers[k].narrow(0, 0, n)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        end = 0
+        for e in sorted(ls.trainable_entries, key=lambda e: e.elem_offset):
+            # the alignment gaps too: the buffer held another unit's gradient, and the owner's norm is over the
+            # whole flat accumulator the reduce sums into
+            flat.narrow(0, end, e.elem_offset - end).zero_()
+            end = e.elem_offset + e.numel
+            view = flat.narrow(0, e.elem_offset, e.numel).view(e.shape)
+            if e.param.grad is None:
+                view.zero_()  # e.g. an expert no local token reached: it takes part with zeros
+            else:
+                pairs.append((e.param.grad, view))
+        flat.narrow(0, end, n - end).zero_()
+        self.sq_norms.pop(i, None)
+        last, owner = self._is_last_micro_batch(), self.unit_owners[i]
+        self.trace.transfer("net", n * 4, torch.float32, i, "reduce")
+
+        def after() -> None:
+            try:
+                self.owner_grad_reducer(i, flat, owner, last)
+            finally:
+                staging.release(k)
+            self._run_callbacks(i)
+
+        self.engine.offload_grads(pairs, accumulate=False, after=after, layer=i)
+
+    def release_remote_staging(self) -> None:
+        """Free the staging of gradients reduced to other ranks (`remove()`)."""
+        staging = self.__dict__.pop("_remote_staging", None)
+        if staging is not None:
+            staging.close()
 
     def _run_callbacks(self, i: int) -> None:
         if not self._callbacks:

@@ -101,6 +101,9 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         pin_memory: bool | None,
         compute_dtype: torch.dtype | None = None,
         state_nvme: dict[str, Any] | None = None,
+        unit_owners: dict[int, int] | None = None,
+        rank: int = 0,
+        node_copy: Any = None,
     ):
         self.model = model
         self.root = hf_root(model)
@@ -113,6 +116,13 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.is_cuda = device.type == "cuda"
         pin = pin_host_memory(device) if pin_memory is None else bool(pin_memory)
         self.store = HostStore(pin_memory=pin)
+        # Note: [The training state is partitioned by unit] (planner/world.py): the owner rank of each streamed unit's
+        # training state (None: this process holds every unit's); this process is ``rank``
+        self.unit_owners = dict(unit_owners) if unit_owners is not None else None
+        self.rank = int(rank)
+        if self.unit_owners is not None:
+            self.store.owned = {k for k, r in self.unit_owners.items() if r == self.rank}
+        self.store.node_copy = node_copy  # Note: [The node's compute copy is shared by its ranks]
         self.engine = TransferEngine(device)
         # every transfer, compute span, update and host synchronisation of a step (lazytrain_hf.streaming.trace)
         self.trace = self.engine.trace
@@ -128,10 +138,14 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.resident_guard: Callable[[], None] | None = None
         # Called as grad_reducer(layer, grads) on a layer's complete device gradients (one tensor per trainable
         # parameter, in a fixed order, zeros where a parameter got none) before their norm is taken and they are
-        # offloaded. The trainer uses `host_grad_reducer` instead (Note: [Data parallel reduces the host
-        # accumulators once per step] in gradients.py): once per optimizer step, on the host fp32 accumulators.
+        # offloaded. `host_grad_reducer` (Note: [Data parallel reduces the host accumulators once per step] in
+        # gradients.py): once per optimizer step, on the host fp32 accumulators of a replicated state.
         self.grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
         self.host_grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
+        # With `unit_owners`: called as owner_grad_reducer(unit, flat, owner, last) on every rank, every micro-batch,
+        # on a unit's flat fp32 gradient (the owner's accumulator, another rank's staging): sums it into the owner's
+        # (Note: [Partitioned gradients are reduced to their owner every micro-batch] in gradients.py)
+        self.owner_grad_reducer: Callable[[int, torch.Tensor, int, bool], None] | None = None
         # whether the micro-batch in progress is the last of its optimizer step (bool or a callable): only then are
         # host norms taken and accumulators reduced (gradients.py); standalone use: every backward is a step
         self.last_micro_batch: bool | Callable[[], bool] = True
@@ -181,6 +195,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 simulated=self.engine.simulated,
             )
             wanted = set(plan.state_nvme)
+            if self.store.owned is not None:
+                wanted &= self.store.owned  # a rank's state files hold its own units only
             self.store.no_grad_buffer = set(wanted)  # their gradients live in their state files
             self.store.on_add = lambda key, ls: self.nvme_state.add_unit(key, ls) if key in wanted else None
         if hasattr(activation_engine, "set_trace"):
@@ -464,7 +480,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         #     handle goes, not at the next full garbage collection. Test:
         #     tests/test_cuda_semantics_grad.py::test_remove_leaves_no_reference_cycle.
         self.fetch_guard = self.resident_guard = self.fetch_ready = None
-        self.grad_reducer = self.host_grad_reducer = None
+        self.grad_reducer = self.host_grad_reducer = self.owner_grad_reducer = None
+        self.release_remote_staging()
         self.last_micro_batch = True
         if self._autograd_thread:
             threads.uninstall_autograd_thread()
@@ -506,6 +523,9 @@ def attach(
     state_nvme_dir: str | None = None,
     optim_block_size: int = 256,
     optim_min_8bit_size: int = 4096,
+    unit_owners: dict[int, int] | None = None,
+    rank: int = 0,
+    node_copy: Any = None,
 ) -> StreamHandle:
     """Install the layer-streaming executor on a HF causal-LM model (or a PEFT wrapper of one).
 
@@ -522,6 +542,10 @@ def attach(
         state_nvme_dir: directory for the training state of the units in ``plan.state_nvme``
             (`lazytrain_hf.streaming.nvmestate`), laid out for the optimizer's ``optim_block_size`` and
             ``optim_min_8bit_size``.
+        unit_owners / rank: data parallel with the training state partitioned by unit (Note: [The training state is
+            partitioned by unit] in planner/world.py): ``{unit key: owner rank}`` and this process's rank; the host
+            store holds masters and gradient accumulators (and ``state_nvme_dir`` state files) of owned units only;
+            ``node_copy``: a `NodeCopy` the compute copies are carved from (one per node, shared by its ranks).
 
             Note: [A bf16 compute copy of an fp32 model]
                 Every fp32 parameter is computed in bf16: the host store's compute copy (what slots receive) and
@@ -589,6 +613,18 @@ def attach(
             "supported."
         )
     state_nvme = {"dir": state_nvme_dir, "block_size": optim_block_size, "min_8bit_size": optim_min_8bit_size}
-    handle = StreamHandle(model, plan, dev, activation_engine, nvme_dir, pin_memory, compute_dtype, state_nvme)
+    handle = StreamHandle(
+        model,
+        plan,
+        dev,
+        activation_engine,
+        nvme_dir,
+        pin_memory,
+        compute_dtype,
+        state_nvme,
+        unit_owners,
+        rank,
+        node_copy,
+    )
     _ATTACHED.add(model)
     return handle

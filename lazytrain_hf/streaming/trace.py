@@ -14,7 +14,11 @@ optimizer update and the uploads it issues) is recorded with the step index take
 never depend on timing. The detailed records (transfers, spans) are kept for the first ``keep_steps`` steps and the
 per-step totals for those and the last `TOTALS_KEPT` steps, so the trace stays small over a long run.
 
-Lanes (`LANES`): ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and ``nvme_write`` (disk <-> host). On the CPU
+Lanes (`LANES`): ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and ``nvme_write`` (disk <-> host), ``net``
+(between data-parallel ranks: ``reduce``, a unit's fp32 gradient sent to its owner, per micro-batch; ``gather``, a
+unit's compute copy received from its owner on another node, per step; Note: [Partitioned gradients are reduced to
+their owner every micro-batch] in gradients.py, Note: [The node's compute copy is shared by its ranks] in
+training/dataparallel.py). On the CPU
 device a "transfer" is the copy between the host store and a device slot that the CUDA path makes over PCIe, and
 it is recorded the same way, so a plan's bytes are checked on CPU.
 """
@@ -31,7 +35,7 @@ from typing import Any
 
 import torch
 
-LANES: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
+LANES: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", "net")
 DEFAULT_KEEP_STEPS = 3
 TOTALS_KEPT = 1024  # per-step totals kept beyond the detailed steps
 

@@ -1,15 +1,36 @@
-"""Data-parallel gradient averaging of a streamed model: the once-per-step reduction of a layer's gradients.
+"""Data parallel of a streamed model: the training state partitioned by unit across the ranks, and the collectives.
 
-`LazyTrainer` hands `all_reduce_mean` the gradients of one layer (or of the resident parameters) with the process
-group to reduce them on: the host fp32 accumulators on their own gloo group (Note: [Data parallel reduces the host
-accumulators once per step] in streaming/gradients.py), the resident parameters' device gradients on the default one.
+`LazyTrainer` with ``world_size > 1`` hands the executor the owner of each streamed unit (`unit_owners_of`, dealt by
+`lazytrain_hf.planner.world.unit_owners` over the planner's own unit list in unit order) and builds a
+`PartitionedDataParallel`, which owns the collectives of a step:
+
+- a unit's gradients summed into its owner's accumulator (`reduce_to_owner`, every micro-batch, on the executor's
+  worker thread: Note: [Partitioned gradients are reduced to their owner every micro-batch] in
+  streaming/gradients.py);
+- the global gradient norm from the per-unit squared norms, each known only on its owner (`global_grad_norm`: Note:
+  [The global norm of a partitioned state]);
+- the resident parameters' device gradients averaged over the ranks (`reduce_resident`; every rank updates them);
+- the node's compute copy, shared by its ranks (a `NodeCopy`): an updated unit's new version published by its owner,
+  waited for by the other local ranks, sent to the other nodes (`send_compute` / `receive_compute`, on the updater's
+  thread: Note: [The node's compute copy is shared by its ranks]);
+- at the end of training, the fp32 masters a rank needs to give its model back (`gather_masters`).
+
+Each runs on its own gloo group, created collectively here, so that no two threads of a rank share one group.
 """
 
 from __future__ import annotations
 
+import math
+import os
+import uuid
 from typing import Any
 
 import torch
+
+from ..planner import hostmem
+from ..planner.layouts import ALIGN_BYTES, align_up, layer_layout
+from ..planner.world import World, unit_owners
+from ..streaming.nodecopy import NodeCopy
 
 
 def all_reduce_mean(grads: list[torch.Tensor], group: Any = None) -> None:
@@ -39,3 +60,256 @@ def all_reduce_mean(grads: list[torch.Tensor], group: Any = None) -> None:
         for g in low:
             g.copy_(flat[offset : offset + g.numel()].view_as(g))
             offset += g.numel()
+
+
+def unit_owners_of(model: torch.nn.Module, plan, world_size: int) -> dict[int, int]:
+    """``{unit key: owner rank}`` of the streamed units of ``model`` under ``plan`` (Note: [The training state is
+    partitioned by unit] in planner/world.py): the units are the planner's (`hostmem.units_of_model`, the executor's
+    split) in unit order (embedding unit if streamed, decoder layers 0..L-1, head unit if streamed: ascending
+    host-store keys), each weighed by its trainable elements."""
+    units = sorted((u for u in hostmem.units_of_model(model, plan) if u.streamed), key=lambda u: u.key)
+    elems = [sum(n for n, _, trainable in u.tensors if trainable) for u in units]
+    return dict(zip((u.key for u in units), unit_owners(elems, world_size)))
+
+
+def node_copy_bytes(model: torch.nn.Module, plan, compute_dtype: torch.dtype | None) -> int:
+    """Bytes of the node copy: every streamed unit's compute copy as the host store lays it out (`layer_layout`),
+    each at an `ALIGN_BYTES` boundary."""
+    units = [u for u in hostmem.units_of_model(model, plan) if u.streamed]
+    return sum(align_up(layer_layout(u.tensors, compute_dtype).compute_bytes, ALIGN_BYTES) for u in units)
+
+
+def partitioned_save_error(args) -> str:
+    """Why a checkpoint (or a save while training) is refused with the training state partitioned across ranks."""
+    return (
+        f"save_strategy={str(getattr(args.save_strategy, 'value', args.save_strategy))!r} with data parallel over "
+        f"world_size={args.world_size} ranks: the training state (fp32 masters, 8-bit moments) is partitioned by "
+        "unit across the ranks and checkpoints of a partitioned state are not supported yet; set "
+        "save_strategy='no' (trainer.save_model() after train() writes the trained model) or train on one process."
+    )
+
+
+def check_partitioned_args(args, checkpoint: str | None) -> None:
+    """Refuse, before anything is planned, what a partitioned training state cannot do yet: checkpoints (each rank
+    holds its own units' masters and moments only) and resuming from one."""
+    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
+        raise ValueError(partitioned_save_error(args))
+    if checkpoint is not None:
+        raise ValueError(
+            f"resume_from_checkpoint={checkpoint!r} with data parallel over world_size={args.world_size} ranks: "
+            "resuming into a training state partitioned by unit is not supported yet; resume on one process, or "
+            "start without resume_from_checkpoint."
+        )
+
+
+class PartitionedDataParallel:
+    """The collectives of a streamed run whose training state is partitioned by unit (see the module docstring), and
+    the node's shared compute copy (Note: [The node's compute copy is shared by its ranks]).
+
+    Built on every rank before the executor is attached (the `NodeCopy` the host store carves its compute copies
+    from is created collectively here), then `bind` to the attached `StreamHandle`; `close` after it was removed.
+
+    Args:
+        world_size / rank: ranks in all, this process's; ``owners``: `unit_owners_of`.
+        data_nbytes: bytes of every unit's compute copy (`node_copy_bytes`); ``pin``: page-lock the node copy.
+        local_world_size: ranks per node (``LOCAL_WORLD_SIZE`` of `torch.distributed.run` by default).
+    """
+
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        owners: dict[int, int],
+        data_nbytes: int,
+        pin: bool = False,
+        local_world_size: int | None = None,
+    ):
+        import torch.distributed as dist
+
+        local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        self.world = World(world_size, max(1, world_size // max(1, local)))
+        self.rank = int(rank)
+        self.owners = dict(owners)
+        self.unit_keys = sorted(self.owners)
+        self._index = {k: j for j, k in enumerate(self.unit_keys)}  # the node copy's version slot of each unit
+        # one gloo group per thread that runs collectives: the executor's worker (gradient reduces), the updater's
+        # thread (compute copies), the training thread (norms, setup); created in the same order on every rank
+        self.grad_group = dist.new_group(backend="gloo")
+        self.compute_group = dist.new_group(backend="gloo")
+        self.norm_group = dist.new_group(backend="gloo")
+        # across nodes: one group per local rank, its ranks on every node (units owned on another node arrive there)
+        self.local_groups = []
+        if self.world.nodes > 1:
+            lw = self.world.local_world_size
+            for lr in range(lw):
+                ranks = [n * lw + lr for n in range(self.world.nodes)]
+                self.local_groups.append(dist.new_group(ranks, backend="gloo"))
+        run_id = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(run_id, src=0, group=self.norm_group)
+        self.node_copy = NodeCopy(
+            run_id[0],
+            self.world,
+            self.rank,
+            int(data_nbytes),
+            len(self.unit_keys),
+            lambda: dist.barrier(group=self.norm_group),
+            pin,
+        )
+        self.versions = {k: 0 for k in self.unit_keys}  # updates of each unit so far (the node copy's versions)
+        self.reductions: dict[int, int] = {}  # unit -> reduces this rank took part in (read by tests)
+        self.received: dict[int, int] = {}  # unit -> new compute copies of units owned elsewhere seen
+        self.resident_reductions = 0
+
+    @classmethod
+    def for_run(cls, model: torch.nn.Module, plan, args, compute_dtype: torch.dtype | None) -> PartitionedDataParallel:
+        """For `LazyTrainer`: ``model`` under ``plan`` on ``args.world_size`` ranks, this one ``args.process_index``."""
+        from ..streams import pin_host_memory
+
+        owners = unit_owners_of(model, plan, args.world_size)
+        nbytes = node_copy_bytes(model, plan, compute_dtype)
+        return cls(args.world_size, args.process_index, owners, nbytes, pin_host_memory(args.device))
+
+    def attach_kwargs(self) -> dict[str, Any]:
+        """What `lazytrain_hf.streaming.attach` takes to build this rank's partition of the host store."""
+        return dict(unit_owners=self.owners, rank=self.rank, node_copy=self.node_copy)
+
+    def __repr__(self) -> str:
+        mine = [k for k in self.unit_keys if self.owners[k] == self.rank]
+        return f"PartitionedDataParallel(rank={self.rank}, {self.world}, owned units={mine})"
+
+    def bind(self, handle) -> None:
+        """Send the executor's completed gradients to their owners (Note: [Partitioned gradients are reduced to their
+        owner every micro-batch] in streaming/gradients.py)."""
+        handle.owner_grad_reducer = self.reduce_to_owner
+
+    def close(self) -> None:
+        if self.node_copy is not None:
+            self.node_copy.close()
+            self.node_copy = None
+
+    # ------------------------------------------------------------------ gradients
+    def reduce_to_owner(self, unit: int, flat: torch.Tensor, owner: int, last: bool) -> None:
+        """Sum every rank's ``flat`` into the owner's; at the last micro-batch the owner divides by the world size
+        (the mean over ranks, as the all-reduce it replaces). Note: [Partitioned gradients are reduced to their
+        owner every micro-batch] in streaming/gradients.py."""
+        import torch.distributed as dist
+
+        dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=self.grad_group)
+        if last and owner == self.rank:
+            flat.div_(self.world.world_size)
+        self.reductions[unit] = self.reductions.get(unit, 0) + 1
+
+    def reduce_resident(self, handle) -> None:
+        """The resident parameters' device gradients averaged over the ranks (once per optimizer step, before the
+        norm; on the default group, the training thread's): every rank then updates them identically."""
+        grads = [p.grad for _, p in handle.resident_parameters() if p.grad is not None]
+        if grads:
+            all_reduce_mean(grads)
+        self.resident_reductions += 1
+
+    def global_grad_norm(self, handle) -> float:
+        """Note: [The global norm of a partitioned state]
+        A unit's squared norm is known on its owner only. The per-unit squared norms go into one float64 vector in
+        unit order, zeros for units this rank does not own, all-reduced (sum): each entry has exactly one non-zero
+        contributor, so the sum is exact and every rank gets the same vector; it is then summed in unit order, the
+        resident parameters' squared norm (taken after their all-reduce, the same on every rank) added last. The
+        norm is therefore identical, bit for bit, on every rank, and so are the clip coefficient and the decision to
+        skip a non-finite step."""
+        import torch.distributed as dist
+
+        sq = handle.grad_sq_norms()
+        vec = torch.tensor([float(sq.get(k, 0.0)) for k in self.unit_keys], dtype=torch.float64)
+        dist.all_reduce(vec, op=dist.ReduceOp.SUM, group=self.norm_group)
+        total = 0.0
+        for x in vec.tolist():
+            total += x
+        return math.sqrt(total + float(sq.get("resident", 0.0)))
+
+    # ------------------------------------------------------------------ compute copies
+    def send_compute(self, handle, unit: int) -> None:
+        """The owner's side of Note: [The node's compute copy is shared by its ranks]: its update of ``unit`` is in
+        the node copy (written by the optimizer there, or, for a unit whose state is on NVMe, copied from the unit's
+        file); publish the new version, then send it to the other nodes."""
+        import torch.distributed as dist
+
+        self.versions[unit] += 1
+        shared = handle.store.shared_compute[unit]
+        spill = handle.nvme_state
+        if spill is not None and unit in spill.units:
+            src = spill.read_compute(unit, "node copy")  # the new compute copy lives in the unit's file
+            try:
+                shared.copy_(src)
+            finally:
+                spill.hold(None, src)
+        self.node_copy.publish(self._index[unit], self.versions[unit])
+        if self.local_groups:
+            group = self.local_groups[self.world.local_rank(self.rank)]
+            dist.broadcast(shared, src=self.rank, group=group)
+
+    def receive_compute(self, handle, unit: int, step: int) -> None:
+        """Note: [The node's compute copy is shared by its ranks]
+        The compute copy of every unit lives once per node, in a `NodeCopy` every local rank maps (the host store
+        carves each unit's compute bytes from it); fp32 masters, moments and accumulators live on the unit's owner
+        only. The updater of every rank walks the units in unit order: the owner writes the unit's new compute copy
+        into the node copy (with an fp32 compute copy its master is that memory, Note: [Compute copy aliases the
+        fp32 master] in streaming/store.py) and publishes the unit's next version (`send_compute`); every other
+        rank of the node waits here for that version and only then marks the unit updated, so its next fetch
+        reads the new weights (Note: [Update before fetch] in training/updater.py, across ranks). A unit owned on
+        another node arrives by a broadcast from its owner to the rank with the owner's local rank on each other
+        node (one gloo group per local rank), which writes it into its node's copy and publishes it; those bytes
+        are recorded in the trace on the lane ``net`` as ``gather`` (the unit's compute-copy bytes, once per step).
+
+        The owner never rewrites a unit while another rank may still fetch its previous version: it updates a unit
+        after the global norm (Note: [The global norm of a partitioned state]), which every rank enters only after
+        its whole backward, and a unit's last fetch of a step is consumed by its backward before the unit is
+        complete and its gradient reduced (a collective the owner also needs first). A unit fetched twice in a step
+        (the backward re-fetch, the tied embedding that the head binds again: Note: [Streamed embeddings and
+        head] in streaming/units.py) completes after both uses. The rank receiving from another node writes the
+        node copy at the same point of the step, after its own fetches (`TransferEngine.wait_host_reads`). Tests:
+        ``tests/test_trainer_ddp.py``."""
+        import torch.distributed as dist
+
+        self.versions[unit] += 1
+        owner = self.owners[unit]
+        w = self.world
+        if w.node_of(owner) != w.node_of(self.rank) and w.local_rank(owner) == w.local_rank(self.rank):
+            shared = handle.store.shared_compute[unit]
+            handle.engine.wait_host_reads(unit)  # Note: [Host compute copy is not rewritten while a fetch reads it]
+            dist.broadcast(shared, src=owner, group=self.local_groups[w.local_rank(owner)])
+            handle.trace.transfer("net", shared.numel(), "uint8", unit, "gather", step=step)
+            self.node_copy.publish(self._index[unit], self.versions[unit])
+        else:
+            self.node_copy.wait(self._index[unit], self.versions[unit], owner)
+        handle.sync_compute(unit, compute_written=True)  # a plan-resident unit's slot re-uploaded
+        self.received[unit] = self.received.get(unit, 0) + 1
+
+    # ------------------------------------------------------------------ end of training
+    def gather_masters(self, handle, updater) -> None:
+        """Give every rank the fp32 masters of the units it does not own whose compute copy is in another dtype (a
+        bf16 compute copy of an fp32 model), so `StreamHandle.remove()` gives every parameter its fp32 value as on
+        one process (Note: [A bf16 compute copy of an fp32 model] in streaming/hooks.py). Called on every rank, in
+        unit order, after the last update; nothing to do when every compute copy is the masters' dtype."""
+        import torch.distributed as dist
+
+        updater.wait_all()
+        for unit in self.unit_keys:
+            ls = handle.store.layers.get(unit)
+            if ls is None or not any(e.trainable and e.orig_dtype is not None for e in ls.entries):
+                continue
+            n = ls.layout.train_elems
+            owner = self.owners[unit]
+            spill = handle.nvme_state
+            if owner == self.rank and spill is not None and unit in spill.units:
+                flat = torch.zeros(n, dtype=torch.float32)  # the masters live in the unit's file
+                for e in ls.trainable_entries:
+                    flat.narrow(0, e.elem_offset, e.numel).copy_(spill.read_param(unit, e.name, "master").reshape(-1))
+            elif owner == self.rank:
+                flat = ls.master
+            else:
+                flat = torch.zeros(n, dtype=torch.float32)
+            dist.broadcast(flat, src=owner, group=self.compute_group)
+            if owner != self.rank:
+                ls.master = flat
+                ls.master_views = {
+                    e.name: flat.narrow(0, e.elem_offset, e.numel).view(e.shape) for e in ls.trainable_entries
+                }

@@ -74,7 +74,7 @@ class LayerwiseUpdater:
         compute copy is not rewritten while a fetch reads it] in streaming/engine.py).
     """
 
-    def __init__(self, handle, overlap: bool = False):
+    def __init__(self, handle, overlap: bool = False, data_parallel=None):
         self.handle = handle
         self.overlap = overlap
         self.layers: dict[int, list[tuple[str, torch.Tensor, torch.Tensor]]] = {}  # i -> [(name, master, grad)]
@@ -82,6 +82,17 @@ class LayerwiseUpdater:
             if ls.master is None:
                 continue
             self.layers[i] = [(e.name, ls.master_views[e.name], ls.grad_views[e.name]) for e in ls.trainable_entries]
+        # Note: [The node's compute copy is shared by its ranks] (training/dataparallel.py):
+        # units another rank updates; this rank waits for their new compute copy in the node copy (or receives it
+        # from another node), in unit order among its own updates
+        self.data_parallel = data_parallel
+        self.remote = [i for i, ls in sorted(handle.store.layers.items()) if ls.remote]
+        if self.remote and data_parallel is None:
+            raise ValueError(
+                f"units {self.remote} are updated by other ranks (the host store was built with unit_owners): pass "
+                "LayerwiseUpdater(data_parallel=...) to receive their weights."
+            )
+        self._order = sorted([*self.layers, *self.remote])
         # resident: (name, parameter, fp32 host master). An fp32 CPU parameter is updated in place through an alias
         # (`p.detach()`: same storage, its own `.grad`), so `zero_grad()` on the model never races the update.
         self.resident: list[tuple[str, torch.nn.Parameter, torch.Tensor]] = []
@@ -104,7 +115,7 @@ class LayerwiseUpdater:
         self.nvme_state = getattr(handle, "nvme_state", None)
         self._spilled = set(self.nvme_state.units) if self.nvme_state is not None else set()
         self._commits = self.nvme_state.step if self.nvme_state is not None else 0
-        self._events = {i: threading.Event() for i in self.layers}
+        self._events = {i: threading.Event() for i in self._order}
         self._resident_done = threading.Event()
         for ev in [*self._events.values(), self._resident_done]:
             ev.set()
@@ -193,6 +204,10 @@ class LayerwiseUpdater:
                 master.grad = grad if fresh else None
             layers.append((i, [m for _, m, _ in entries]))
             self._events[i].clear()
+        for i in self.remote:
+            layers.append((i, None))  # received from its owner
+            self._events[i].clear()
+        layers.sort(key=lambda item: item[0])  # unit order: every rank's updates and receives pair up
         self._resident_done.clear()
         work = (frozen, resident, layers, clip_coef, step)
         if self.overlap:
@@ -303,8 +318,14 @@ class LayerwiseUpdater:
                 self._uploads = uploads
                 trace.update("resident", t0, clock())
                 self._resident_done.set()
+                dp = self.data_parallel
                 for i, params in layers:
                     t0 = clock()
+                    if params is None:
+                        # Note: [The node's compute copy is shared by its ranks]
+                        dp.receive_compute(self.handle, i, step)
+                        self._events[i].set()
+                        continue
                     if i in self._spilled:
                         fresh, gis = params
                         if fresh:
@@ -319,6 +340,8 @@ class LayerwiseUpdater:
                             self.nvme_state.skip_unit(i)
                         trace.update(i, t0, clock())
                         self._events[i].set()
+                        if dp is not None:
+                            dp.send_compute(self.handle, i)
                         continue
                     outs = self._outs[i]
                     if outs is not None:
@@ -329,6 +352,8 @@ class LayerwiseUpdater:
                     self.handle.sync_compute(i, compute_written=written)
                     trace.update(i, t0, clock())
                     self._events[i].set()
+                    if dp is not None:
+                        dp.send_compute(self.handle, i)
                 if self.nvme_state is not None:
                     # Note: [The state on NVMe commits per optimizer step]
                     self._commits += 1

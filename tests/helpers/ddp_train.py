@@ -1,13 +1,28 @@
 """Data-parallel body for tests/test_trainer_ddp.py: run under `torchrun --nproc_per_node N` (gloo on CPU) or as a
-single process; writes this rank's final weights to <out>/rank<R>.safetensors."""
+single process; writes this rank's final weights to <out>/rank<R>.safetensors and, in <out>/rank<R>.stats.json, its
+losses, the host bytes of the training state of the streamed units it holds (fp32 masters and gradient accumulators
+from the host store, 8-bit moments from the optimizer's state) and the units whose masters the optimizer updated."""
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+
+def _state_nbytes(value) -> int:
+    """Bytes of one optimizer-state entry: a tensor, or an 8-bit state's codes and per-block scales."""
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return value.numel() * value.element_size()
+    codes, absmax = getattr(value, "codes", None), getattr(value, "absmax", None)
+    if codes is None:
+        return 0
+    return codes.numel() * codes.element_size() + absmax.numel() * absmax.element_size()
 
 
 def main() -> None:
@@ -15,11 +30,20 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--per-device-batch", type=int, default=2)
     p.add_argument("--policy", default="default")
+    p.add_argument("--ga", type=int, default=1)
+    p.add_argument("--max-steps", type=int, default=3)
+    p.add_argument("--model-type", default="qwen3")
+    p.add_argument("--state-nvme", default=None, help="state_nvme_dir (every streamed unit's state there)")
+    p.add_argument("--stream-embeddings", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="bf16 compute copy of the fp32 model (fp32 masters)")
     a = p.parse_args()
 
     from safetensors.torch import save_file
     from trainer_fixtures import make_trainer
+    from transformers import TrainerCallback
 
+    from lazytrain_hf.optim import HybridAdamW8bit
+    from lazytrain_hf.streaming.nvmestate import NvmeState
     from lazytrain_hf.training import planning
 
     rank = int(os.environ.get("RANK", "0"))
@@ -31,13 +55,80 @@ def main() -> None:
         return real_make_plan(*args, **kwargs)
 
     planning.make_plan = counting_make_plan  # which ranks profile, warm up and solve
+    extra = {}
+    if a.state_nvme:
+        os.makedirs(a.state_nvme, exist_ok=True)
+        extra.update(state_nvme_dir=a.state_nvme, state_nvme_layers="all")
+    if a.stream_embeddings:
+        extra.update(stream_embeddings=True)
+    if a.bf16:
+        extra.update(bf16=True)
     trainer = make_trainer(
         os.path.join(a.out, "run"),
-        max_steps=3,
+        max_steps=a.max_steps,
         per_device_train_batch_size=a.per_device_batch,
+        gradient_accumulation_steps=a.ga,
         planner_policy=a.policy,
         dataloader_drop_last=True,
+        model_type=a.model_type,
+        **extra,
     )
+
+    # the tensors the optimizer updated (by identity), mapped to their units at the end of training
+    updated_ids: set[int] = set()
+    real_update = HybridAdamW8bit._update
+
+    def recording_update(self, p, *args, **kwargs):
+        if p.grad is not None:
+            updated_ids.add(id(p))
+        return real_update(self, p, *args, **kwargs)
+
+    HybridAdamW8bit._update = recording_update
+    updated_nvme: set[int] = set()  # units updated out of core (state on NVMe)
+    real_update_unit = NvmeState.update_unit
+
+    def recording_update_unit(self, key, *args, **kwargs):
+        updated_nvme.add(key)
+        return real_update_unit(self, key, *args, **kwargs)
+
+    NvmeState.update_unit = recording_update_unit
+    stats: dict = {}
+
+    class Record(TrainerCallback):
+        def on_train_end(self, args, state, control, **kwargs):
+            handle, updater, opt = trainer.stream_handle, trainer._updater, trainer.optimizer
+            updater.wait_all()
+            streamed = [m for entries in updater.layers.values() for _, m, _ in entries]
+            hb = handle.store.host_bytes()
+            stats["master_bytes"] = hb["master"]
+            stats["grad_bytes"] = hb["grad"]
+            stats["compute_bytes"] = hb["compute"]
+            stats["moment_bytes"] = sum(_state_nbytes(v) for m in streamed for v in opt.state.get(m, {}).values())
+            stats["updated_units"] = sorted(
+                i
+                for i, entries in updater.layers.items()
+                if i in updated_nvme or any(id(m) in updated_ids for _, m, _ in entries)
+            )
+            stats["units"] = sorted(handle.store.layers)
+            # the compute copies in the node's shared segment (data parallel), or in this process's memory
+            nc = handle.store.node_copy
+            if nc is not None:
+                lo, hi = nc.data.data_ptr(), nc.data.data_ptr() + nc.data_nbytes
+                shared = handle.store.shared_compute.values()
+                stats["compute_in_node_copy"] = all(lo <= t.data_ptr() < hi for t in shared)
+                stats["node_copy_bytes"] = nc.data_nbytes
+            # the trace's lane "net" per completed step, by kind (reduce, gather)
+            stats["net"] = []
+            for step in handle.trace.steps:
+                kinds: dict[str, int] = {}
+                for t in step.get("transfers", []):
+                    if t["lane"] == "net":
+                        kinds[t["what"]] = kinds.get(t["what"], 0) + t["bytes"]
+                stats["net"].append(kinds)
+            if handle.nvme_state is not None:
+                stats["nvme_units"] = sorted(handle.nvme_state.units)
+
+    trainer.add_callback(Record())
     trainer.train()
     state = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
     save_file(state, os.path.join(a.out, f"rank{rank}.safetensors"))
@@ -48,6 +139,9 @@ def main() -> None:
         f.write(trainer.lazy_plan.to_json())
     with open(os.path.join(a.out, f"rank{rank}.planned"), "w") as f:
         f.write(str(len(planned)))
+    stats["losses"] = trainer.loss_recorder.losses
+    with open(os.path.join(a.out, f"rank{rank}.stats.json"), "w") as f:
+        json.dump(stats, f)
 
 
 if __name__ == "__main__":
