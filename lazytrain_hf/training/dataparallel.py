@@ -246,18 +246,42 @@ class PartitionedDataParallel:
             group = self.local_groups[self.world.local_rank(self.rank)]
             dist.broadcast(shared, src=self.rank, group=group)
 
+    def from_this_node(self, unit: int) -> bool:
+        """The unit's owner is on this node: its new compute copy appears in the node copy without a collective, and
+        a rank waits for it only where it reads it (`expect_local` / `await_local`)."""
+        return self.world.node_of(self.owners[unit]) == self.world.node_of(self.rank)
+
+    def expect_local(self, unit: int) -> None:
+        """This step's update of ``unit`` (owned by another rank of this node) is issued: its next version is
+        awaited (`local_updated`, `await_local`)."""
+        self.versions[unit] += 1
+
+    def local_updated(self, unit: int) -> bool:
+        """Whether the owner has published this step's version of ``unit`` (never blocks)."""
+        return self.node_copy.version(self._index[unit]) >= self.versions[unit]
+
+    def await_local(self, handle, unit: int) -> None:
+        """Wait for this step's version of ``unit`` from its owner on this node, then refresh a plan-resident
+        unit's slot (Note: [The node's compute copy is shared by its ranks])."""
+        self.node_copy.wait(self._index[unit], self.versions[unit], self.owners[unit])
+        handle.sync_compute(unit, compute_written=True)  # a plan-resident unit's slot re-uploaded
+        self.received[unit] = self.received.get(unit, 0) + 1
+
     def receive_compute(self, handle, unit: int, step: int) -> None:
         """Note: [The node's compute copy is shared by its ranks]
         The compute copy of every unit lives once per node, in a `NodeCopy` every local rank maps (the host store
         carves each unit's compute bytes from it); fp32 masters, moments and accumulators live on the unit's owner
-        only. The updater of every rank walks the units in unit order: the owner writes the unit's new compute copy
-        into the node copy (with an fp32 compute copy its master is that memory, Note: [Compute copy aliases the
-        fp32 master] in streaming/store.py) and publishes the unit's next version (`send_compute`); every other
-        rank of the node waits here for that version and only then marks the unit updated, so its next fetch
-        reads the new weights (Note: [Update before fetch] in training/updater.py, across ranks). A unit owned on
-        another node arrives by a broadcast from its owner to the rank with the owner's local rank on each other
-        node (one gloo group per local rank), which writes it into its node's copy and publishes it; those bytes
-        are recorded in the trace on the lane ``net`` as ``gather`` (the unit's compute-copy bytes, once per step).
+        only. The owner writes the unit's new compute copy into the node copy (with an fp32 compute copy its master
+        is that memory, Note: [Compute copy aliases the fp32 master] in streaming/store.py) and publishes the unit's
+        next version (`send_compute`). Another rank of the node does not wait for it in its own update loop (that
+        would make the ranks update one unit at a time, taking turns): it marks the version as expected
+        (`expect_local`) and waits for it where it reads the unit, at the unit's next fetch (`await_local` from the
+        updater's fetch guard; a prefetch only checks `local_updated`), so Note: [Update before fetch] in
+        training/updater.py holds across ranks while every rank updates its own units at once. A unit owned on
+        another node arrives here, in the updater's unit order (a collective: every rank of the group calls it in
+        the same order), by a broadcast from its owner to the rank with the owner's local rank on each other node
+        (one gloo group per local rank), which writes it into its node's copy and publishes it; those bytes are
+        recorded in the trace on the lane ``net`` as ``gather`` (the unit's compute-copy bytes, once per step).
 
         The owner never rewrites a unit while another rank may still fetch its previous version: it updates a unit
         after the global norm (Note: [The global norm of a partitioned state]), which every rank enters only after
@@ -269,10 +293,14 @@ class PartitionedDataParallel:
         ``tests/test_trainer_ddp.py``."""
         import torch.distributed as dist
 
+        if self.from_this_node(unit):
+            self.expect_local(unit)
+            self.await_local(handle, unit)
+            return
         self.versions[unit] += 1
         owner = self.owners[unit]
         w = self.world
-        if w.node_of(owner) != w.node_of(self.rank) and w.local_rank(owner) == w.local_rank(self.rank):
+        if w.local_rank(owner) == w.local_rank(self.rank):
             shared = handle.store.shared_compute[unit]
             handle.engine.wait_host_reads(unit)  # Note: [Host compute copy is not rewritten while a fetch reads it]
             dist.broadcast(shared, src=owner, group=self.local_groups[w.local_rank(owner)])

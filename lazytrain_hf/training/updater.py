@@ -93,6 +93,7 @@ class LayerwiseUpdater:
                 "LayerwiseUpdater(data_parallel=...) to receive their weights."
             )
         self._order = sorted([*self.layers, *self.remote])
+        self._local_pending: set[int] = set()  # units of another rank of this node whose update is not awaited yet
         # resident: (name, parameter, fp32 host master). An fp32 CPU parameter is updated in place through an alias
         # (`p.detach()`: same storage, its own `.grad`), so `zero_grad()` on the model never races the update.
         self.resident: list[tuple[str, torch.nn.Parameter, torch.Tensor]] = []
@@ -204,8 +205,15 @@ class LayerwiseUpdater:
                 master.grad = grad if fresh else None
             layers.append((i, [m for _, m, _ in entries]))
             self._events[i].clear()
+        dp = self.data_parallel
         for i in self.remote:
-            layers.append((i, None))  # received from its owner
+            if dp.from_this_node(i) and not self._plan_resident(i):
+                # Note: [The node's compute copy is shared by its ranks]: awaited at its next fetch, not here (a
+                # plan-resident unit is never fetched: its slot is refreshed here, in unit order, as before)
+                dp.expect_local(i)
+                self._local_pending.add(i)
+            else:
+                layers.append((i, None))  # received from its owner on another node, in unit order
             self._events[i].clear()
         layers.sort(key=lambda item: item[0])  # unit order: every rank's updates and receives pair up
         self._resident_done.clear()
@@ -374,10 +382,27 @@ class LayerwiseUpdater:
     def layer_updated(self, i: int) -> bool:
         """Whether layer ``i``'s update of the last `run()` is done (never blocks): a prefetch of the layer may read
         its host compute copy now. Note: [A prefetch never waits for the optimizer] in streaming/scheduler.py."""
+        if i in self._local_pending:
+            if not self.data_parallel.local_updated(i):
+                return False
+            self._await_local(i)  # published: returns at once (and refreshes a plan-resident unit's slot)
         ev = self._events.get(i)
         return ev is None or ev.is_set()
 
+    def _plan_resident(self, i: int) -> bool:
+        layers = self.handle.plan.layers
+        return 0 <= i < len(layers) and bool(layers[i].resident)
+
+    def _await_local(self, i: int) -> None:
+        """Note: [The node's compute copy is shared by its ranks] (training/dataparallel.py): this step's version
+        of unit ``i`` from its owner on this node."""
+        self.data_parallel.await_local(self.handle, i)
+        self._local_pending.discard(i)
+        self._events[i].set()
+
     def wait_layer(self, i: int) -> None:
+        if i in self._local_pending:
+            self._await_local(i)
         ev = self._events.get(i)
         if ev is not None:
             ev.wait()
@@ -398,6 +423,8 @@ class LayerwiseUpdater:
                 lanes.compute_wait(ev)
 
     def wait_all(self) -> None:
+        for i in sorted(self._local_pending):
+            self._await_local(i)
         if self._thread is not None:
             self._thread.join()
             self._thread = None
