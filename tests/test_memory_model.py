@@ -54,7 +54,7 @@ def test_chunked_loss_working_set_is_measured(dtype, B, T, V, d, chunk):
     assert modelled >= tr.peak
 
 
-def _tiny(model_type: str, attn: str):
+def _tiny(model_type: str, attn: str, **overrides):
     base = dict(
         hidden_size=256,
         intermediate_size=768,
@@ -78,6 +78,7 @@ def _tiny(model_type: str, attn: str):
         )
     if model_type == "qwen2":
         base.pop("head_dim")
+    base.update(overrides)
     cfg = transformers.AutoConfig.for_model(model_type, **base)
     cfg._attn_implementation = attn
     return cfg
@@ -140,3 +141,121 @@ def test_layer_working_sets_are_bounded_by_the_models(model_type, attn, dtype):
         )
         assert f_model >= 0.95 * f_peak, (kind, B, f_peak, f_model)  # within 5% or above
         assert b_mt >= b_peak, (kind, B, b_peak, b_mt)  # one gate/up-sized gradient is enough (not four)
+
+
+# ---------------------------------------------------------------------------------------------------- plan space
+# Layer kinds: dense (qwen3, qwen2's biased attention), eager attention, MoE (qwen3_moe), gated delta rule and gated
+# attention (qwen3_5_text: 3 linear-attention layers, then a full one). qwen3_5 runs in bf16: in fp32 its layers save
+# more than `costmodel.layer_saved_bytes` counts (3 N d fp32 per linear-attention layer, N d per gated attention one).
+KINDS = {
+    "dense": ("qwen3", "sdpa", torch.float32),
+    "dense_bias": ("qwen2", "sdpa", torch.bfloat16),
+    "eager": ("qwen3", "eager", torch.bfloat16),
+    "moe": ("qwen3_moe", "sdpa", torch.float32),
+    "moe_bf16": ("qwen3_moe", "sdpa", torch.bfloat16),
+    "delta_rule": ("qwen3_5_text", "sdpa", torch.bfloat16),
+}
+T_SWEEP, CHUNK = 128, 256
+
+
+def _plan(cfg, name: str, B: int):
+    """A point of the plan space by name (every layer the same, or a mix of everything)."""
+    from lazytrain_hf import models
+    from lazytrain_hf.planner.plan import LayerPlan, Plan
+
+    kinds = models.layer_kinds(cfg)
+    L = len(kinds)
+    policy = {"keep": ("keep", "gpu"), "offload_cpu": ("offload_cpu", "gpu"), "rec_gpu": ("recompute", "gpu")}
+    policy |= {"rec_cpu": ("recompute", "cpu"), "block2": ("recompute", "gpu"), "ahead2": ("keep", "gpu")}
+    policy |= {"resident": ("keep", "gpu"), "chunk64": ("keep", "gpu")}
+    layers = []
+    for i, k in enumerate(kinds):
+        if name == "mixed":  # keep, offload, recompute from the host and the device; layer 1 resident
+            pol, tier = [("keep", "gpu"), ("offload_cpu", "gpu"), ("recompute", "cpu"), ("recompute", "gpu")][i % 4]
+        else:
+            pol, tier = policy[name]
+        layers.append(
+            LayerPlan(
+                index=i,
+                kind=k,
+                policy=pol,
+                input_tier=tier,
+                resident=(name == "mixed" and i == 1) or (name == "resident" and i < L // 2),
+                fetch_fwd_ahead=2 if name == "ahead2" else 1,
+                fetch_bwd_ahead=2 if name == "ahead2" else 1,
+            )
+        )
+    return Plan(
+        layers=layers,
+        micro_batch_size=B,
+        seq_len=T_SWEEP,
+        loss_chunk_tokens=64 if name == "chunk64" else CHUNK,
+        checkpoint_every=2 if name == "block2" else 1,
+    )
+
+
+def _predicted_and_measured(kind: str, plan_name: str, B: int) -> tuple[int, int]:
+    from helpers.memtrace import executor_step_peak
+
+    from lazytrain_hf import models
+    from lazytrain_hf.planner.stages import evaluate_plan
+
+    model_type, attn, dtype = KINDS[kind]
+    cfg = _tiny(model_type, attn, num_hidden_layers=4, vocab_size=2048, tie_word_embeddings=False)
+    if model_type == "qwen3_5_text":
+        assert models.layer_kinds(cfg) == ["linear_attention"] * 3 + ["full_attention"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).train()
+    plan = _plan(cfg, plan_name, B)
+    db = torch.tensor([], dtype=dtype).element_size()
+    cm = CostModel.from_config(
+        cfg, get_profile("cpu"), T_SWEEP, B, dtype_bytes=db, loss_chunk_tokens=plan.loss_chunk_tokens,
+        attn_implementation=attn,
+    )  # fmt: skip
+    predicted = evaluate_plan(plan, cm).peak_gpu_bytes
+    measured = executor_step_peak(model, plan, torch.randint(0, cfg.vocab_size, (B, T_SWEEP)))
+    print(
+        f"{kind:10s} {model_type:12s} {attn:5s} {str(dtype)[6:]:8s} B={B} {plan_name:11s}: predicted "
+        f"{predicted / MIB:7.2f} MiB, measured {measured / MIB:7.2f} MiB, predicted / measured {predicted / measured:.3f}"
+    )
+    return predicted, measured
+
+
+# the default run: a few points (~10 s each on 2 cores); every kind at every plan below is `slow` (MoE and the torch
+# gated delta rule take ~30 s a point)
+FAST = [("dense", "mixed", 1), ("dense", "mixed", 4), ("dense_bias", "keep", 4), ("eager", "mixed", 1)]
+PLANS = ("keep", "mixed", "offload_cpu", "rec_gpu", "rec_cpu", "block2", "ahead2", "resident", "chunk64")
+SLOW = [(k, p, B) for k in KINDS for p in PLANS for B in (1, 4) if (k, p, B) not in FAST]
+# Qwen3-MoE in bf16 at batch 1: the backward of the fused expert parameters holds ~1.5 gate_up gradients more than
+# `memmodel.backward_working_set` (which fits fp32 at both batch sizes and bf16 at batch 4)
+KNOWN_GAPS = {("moe_bf16", p, 1) for p in PLANS}
+
+
+def _check(kind: str, plan_name: str, B: int) -> None:
+    predicted, measured = _predicted_and_measured(kind, plan_name, B)
+    assert abs(predicted - measured) <= 0.05 * measured, (kind, plan_name, B, predicted, measured)
+
+
+@pytest.mark.sync_engine
+@pytest.mark.parametrize("kind,plan_name,B", FAST)
+def test_predicted_peak_is_the_executors_measured_peak(kind, plan_name, B):
+    """The stage model's peak (`stages.evaluate_plan`, with the terms of `memmodel` that the MILP, the megatrain
+    model and the simulator charge too) within 5% of the executor's measured device peak on the CPU device
+    (`helpers.memtrace.executor_step_peak`)."""
+    _check(kind, plan_name, B)
+
+
+@pytest.mark.slow
+@pytest.mark.sync_engine
+@pytest.mark.parametrize(
+    "kind,plan_name,B",
+    [
+        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason="fused MoE expert gradients in bf16"))
+        if c in KNOWN_GAPS
+        else c
+        for c in SLOW
+    ],
+)
+def test_predicted_peak_is_the_executors_measured_peak_everywhere(kind, plan_name, B):
+    """Every layer kind at every plan of `PLANS` at batch sizes 1 and 4."""
+    _check(kind, plan_name, B)
