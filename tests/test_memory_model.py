@@ -228,7 +228,7 @@ PLANS = ("keep", "mixed", "offload_cpu", "rec_gpu", "rec_cpu", "block2", "ahead2
 SLOW = [(k, p, B) for k in KINDS for p in PLANS for B in (1, 4) if (k, p, B) not in FAST]
 # Qwen3-MoE in bf16 at batch 1: the backward of the fused expert parameters holds ~1.5 gate_up gradients more than
 # `memmodel.backward_working_set` (which fits fp32 at both batch sizes and bf16 at batch 4)
-KNOWN_GAPS = {("moe_bf16", p, 1) for p in PLANS}
+KNOWN_GAPS = {("moe_bf16", p, 1) for p in ("keep", "mixed", "offload_cpu")}
 
 
 def _check(kind: str, plan_name: str, B: int) -> None:

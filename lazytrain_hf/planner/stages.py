@@ -20,7 +20,10 @@ end of ``B_0`` and the start of the next step's ``F_0``. Within a stage the lane
 - ``d2h``: the offload of ``F_i``'s saved tensors at ``F_{i+1}``, the gradients of ``B_i`` at the next stage;
 - NVMe: the write one stage after its D2H, the read one stage before its H2D reload.
 
-Memory at every stage counts what is allocated from a transfer's issue stage to the end of its last use. The tail
+Memory at every stage is the executor's memory model (`memmodel`): the slot pool of each layer kind for the whole
+step (at least the weights the plan has in flight at once), resident weights, activations from their transfer's issue
+stage (or their forward) to the end of their last use, each layer's working sets and gradients, the head stage and the
+gradients of parameters that are not streamed, held until the optimizer step. The tail
 holds the D2H of the last gradients, the CPU optimizer in layer order (``c_i`` = time from the end of ``B_0`` until
 layer ``i`` is updated) and the embedding upload; with the optimizer overlapping the next forward, a fetch issued at
 stage ``sigma`` must wait for its update: ``T_tail + sum_{j < sigma} T_j >= c_i``.
