@@ -181,7 +181,6 @@ def build_milp(
     const_d2h = [0.0] * S
     const_mem = [0.0] * (S + 1)
     const_nvw = [0.0] * S
-    inflight = {k: [[] for _ in range(S)] for k in kinds}  # streamed weights issued and not yet used, per kind
     serial = bool(getattr(cm, "serial_lanes", False))
     late_grads = grads_leave_next_stage(cm)
     for i, lc in enumerate(cm.layers):
@@ -204,8 +203,6 @@ def build_milp(
                         nvr[sigma].append((w, y))
                     if a == 0:
                         od[i].append((w, y))
-            for s in range(sigma, i + 1):
-                inflight[lc.kind][s].append((w, ys))
         # resident weights: all stages and the tail
         if allow_resident:
             for s in range(S + 1):
@@ -218,8 +215,6 @@ def build_milp(
                 nvr[sb].append((w, y))
             if a == 0:
                 od[sB].append((w, y))
-            for s in range(sb, sB + 1):
-                inflight[lc.kind][s].append((w, y))
         # saved activations
         for o, v in opt[i].items():
             if o == "keep":
@@ -343,14 +338,12 @@ def build_milp(
 
     # ------------------------------------------------------------------ [Constraint] slot pools
     # the executor sizes each kind's pool (memmodel.slot_pools) at min(n, max(1, depth) + 1 + extra) slots of its
-    # largest layer; the pool holds at least the weights in flight at every stage
+    # largest layer. The weights in flight at a stage never exceed it (fetches issued at most depth stages ahead
+    # target at most depth + 1 stages, one layer each), so they need no rows of their own.
     for n, k in enumerate(kinds):
         members = [i for i, lc in enumerate(cm.layers) if lc.kind == k]
         wk = -(-max(cm.layers[i].weight_bytes for i in members) // SLOT_ALIGN) * SLOT_ALIGN
         cap = len(members)
-        for s in range(S):
-            if inflight[k][s]:
-                prob += pool[k] >= expr(inflight[k][s], 1 / GIB), f"pool_in_flight_{n}_{s}"
         streamed = [(1 - res[i]) if allow_resident else 1 for i in members]
         for i, st in zip(members, streamed):
             prob += pool[k] >= wk / GIB * st, f"pool_one_slot_{n}_{i}"
