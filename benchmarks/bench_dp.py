@@ -1,0 +1,246 @@
+"""Data parallel on one node: host memory and CPU optimizer time of 1, 2 and 4 ranks training one model, side by side.
+
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py                  # ~110M-parameter Qwen3, 1 / 2 / 4 ranks
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py --tiny --procs 1,2   # ~6M parameters, a minute
+
+Every configuration is a fresh `torch.distributed.run --standalone --nproc_per_node N` launch (gloo, one thread per
+rank: ``OMP_NUM_THREADS=1``) of this file's ``--worker``, training the same randomly initialised checkpoint
+(`bench_state_nvme.write_random_checkpoint`, loaded with `lazytrain_hf.from_pretrained`: the weights stay on disk
+until the host store reads them layer by layer) at the same global batch (``--global-batch`` sequences, split over
+the ranks) for ``--steps`` optimizer steps with the fixed ``planner_policy="default"`` plan (every decoder layer
+streamed), so that the configurations differ only in the number of ranks. ``--reps`` repeats the whole sweep,
+interleaved (1, 2, 4, 1, 2, 4, ...); the figures are medians over the repetitions.
+
+Per rank, the worker reports:
+- peak RSS (``ru_maxrss``) and peak PSS (``/proc/self/smaps_rollup``, sampled every 20 ms): RSS counts a page shared
+  by several processes (the node's shared compute copy) in each of them, PSS divides it among them, so the *sum over
+  ranks* of peak PSS is what the node really holds; the summed figure is judged on PSS;
+- optimizer time per step: wall time of `LayerwiseUpdater.run` (synchronous on the CPU), median over the steps after
+  the first;
+- step time: median interval between step ends after the first;
+- the bytes per lane of its first traced step (the trace's ``bytes_per_step``);
+- how many units it updated in that step (the trace's updates: the optimizer's work divided among the ranks).
+
+Printed: one row per rank count with the ratios to one process; ``--json`` writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULT_PREFIX = "BENCH_DP_RESULT "
+
+# ~105M parameters: an untied 65536 x 512 embedding and head (67M) and 12 layers of hidden 512 (38M)
+BASE = dict(
+    model_type="qwen3", hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=64, vocab_size=65536, max_position_embeddings=2048, tie_word_embeddings=False,
+    rms_norm_eps=1e-6, rope_theta=1e6,
+)
+TINY = dict(BASE, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=32, vocab_size=8192)
+
+
+def _pss_kib() -> int:
+    try:
+        with open("/proc/self/smaps_rollup") as f:
+            for line in f:
+                if line.startswith("Pss:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+class PeakPss:
+    """The process's peak PSS, sampled on a daemon thread."""
+
+    def __init__(self, every_s: float = 0.02):
+        self.peak_kib = _pss_kib()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self._thread.start()
+
+    def _run(self, every_s: float) -> None:
+        while not self._stop.wait(every_s):
+            self.peak_kib = max(self.peak_kib, _pss_kib())
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak_kib = max(self.peak_kib, _pss_kib())
+        return self.peak_kib * 1024
+
+
+def worker(a) -> None:
+    """One rank: train, then print this rank's figures as one JSON line after `RESULT_PREFIX`."""
+    sampler = PeakPss()
+    import torch
+    from datasets import Dataset
+    from transformers import TrainerCallback
+
+    import lazytrain_hf
+    from lazytrain_hf import LazyTrainer, LazyTrainingArguments
+    from lazytrain_hf.training import updater as updater_mod
+
+    torch.set_num_threads(1)
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
+    if a.global_batch % world:
+        raise SystemExit(f"--global-batch {a.global_batch} is not a multiple of the {world} ranks")
+    opt_times: list[float] = []
+    real_run = updater_mod.LayerwiseUpdater.run
+
+    def timed_run(self, clip_coef):
+        t0 = time.perf_counter()
+        real_run(self, clip_coef)
+        self.wait_all()
+        opt_times.append(time.perf_counter() - t0)
+
+    updater_mod.LayerwiseUpdater.run = timed_run
+    step_ends: list[float] = []
+    lanes: dict[str, int] = {}
+    box: dict = {}
+
+    class Probe(TrainerCallback):
+        def on_step_end(self, args, state, control, **kw):
+            step_ends.append(time.perf_counter())
+            handle = box["trainer"].stream_handle
+            if handle is not None and not lanes:
+                done = handle.trace.steps
+                if done:
+                    lanes.update(done[0]["bytes"])
+                    box["units"] = sum(1 for u in done[0]["updates"] if u["layer"] != "resident")
+
+    g = torch.Generator().manual_seed(0)
+    n_rows = a.global_batch * a.steps
+    ids = torch.randint(0, a.vocab, (n_rows, a.seq), generator=g)
+    data = Dataset.from_dict({"input_ids": ids.tolist(), "labels": ids.tolist()})
+    model = lazytrain_hf.from_pretrained(a.checkpoint, dtype=torch.float32)
+    args = LazyTrainingArguments(
+        output_dir=os.path.join(a.out, f"run{world}"), per_device_train_batch_size=a.global_batch // world,
+        max_steps=a.steps, learning_rate=1e-4, logging_steps=1, report_to=[], seed=0, data_seed=0, use_cpu=True,
+        save_strategy="no", planner_hardware="cpu", planner_policy="default", planner_warmup_steps=1,
+        dataloader_drop_last=True, stream_trace_steps=2,
+    )
+    trainer = LazyTrainer(model=model, args=args, train_dataset=data, callbacks=[Probe()])
+    box["trainer"] = trainer
+    trainer.train()
+    pss = sampler.stop()
+    later = opt_times[1:] or opt_times
+    gaps = [b - a_ for a_, b in zip(step_ends, step_ends[1:])]
+    out = dict(
+        rank=rank, world=world, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_pss=pss,
+        optimizer_s=statistics.median(later) if later else None, step_s=statistics.median(gaps) if gaps else None,
+        lanes=lanes, units_updated=box.get("units"), losses=trainer.state.log_history and
+        [h["loss"] for h in trainer.state.log_history if "loss" in h],
+    )
+    print(RESULT_PREFIX + json.dumps(out), flush=True)
+
+
+def launch(a, procs: int) -> list[dict]:
+    """One `torch.distributed.run` launch of ``procs`` ranks; each rank's figures."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    env.pop("RANK", None)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
+           os.path.abspath(__file__), "--worker", "--checkpoint", a.checkpoint, "--out", a.out,
+           "--global-batch", str(a.global_batch), "--steps", str(a.steps), "--seq", str(a.seq),
+           "--vocab", str(a.vocab)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
+    if proc.returncode != 0:
+        raise SystemExit(f"{procs} ranks failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
+    rows = [json.loads(line[len(RESULT_PREFIX):]) for line in proc.stdout.splitlines()
+            if line.startswith(RESULT_PREFIX)]
+    if len(rows) != procs:
+        raise SystemExit(f"{procs} ranks reported {len(rows)} results:\n{proc.stdout[-3000:]}")
+    return sorted(rows, key=lambda r: r["rank"])
+
+
+def summarise(runs: list[list[dict]]) -> dict:
+    """Medians over repetitions of one rank count's per-rank maxima and sums."""
+
+    def med(f):
+        vals = [f(r) for r in runs]
+        vals = [v for v in vals if v is not None]
+        return statistics.median(vals) if vals else None
+
+    return dict(
+        procs=len(runs[0]),
+        rss_max=med(lambda r: max(x["peak_rss"] for x in r)),
+        rss_sum=med(lambda r: sum(x["peak_rss"] for x in r)),
+        pss_max=med(lambda r: max(x["peak_pss"] for x in r)),
+        pss_sum=med(lambda r: sum(x["peak_pss"] for x in r)),
+        opt_max=med(lambda r: max(x["optimizer_s"] for x in r)),
+        step=med(lambda r: max(x["step_s"] for x in r)),
+        lanes=runs[0][0]["lanes"],
+        units=[x["units_updated"] for x in runs[0]],
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--checkpoint", help=argparse.SUPPRESS)
+    p.add_argument("--out", help=argparse.SUPPRESS)
+    p.add_argument("--procs", default="1,2,4", help="rank counts, comma separated (default 1,2,4)")
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--reps", type=int, default=1)
+    p.add_argument("--global-batch", type=int, default=4)
+    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--tiny", action="store_true", help="a ~6M-parameter model of the same family")
+    p.add_argument("--work", default=None, help="where the checkpoint and runs go (default: a temporary dir)")
+    p.add_argument("--timeout", type=int, default=3600)
+    p.add_argument("--json", default=None, help="write every figure to this file")
+    a = p.parse_args(argv)
+    if a.worker:
+        worker(a)
+        return 0
+    sys.path.insert(0, HERE)
+    import torch
+    from bench_state_nvme import ensure_checkpoint, make_config
+
+    spec = TINY if a.tiny else BASE
+    a.vocab = a.vocab or spec["vocab_size"]
+    work = a.work or tempfile.mkdtemp(prefix="bench_dp_")
+    a.checkpoint = os.path.join(work, "tiny" if a.tiny else "base")
+    a.out = os.path.join(work, "runs")
+    config = make_config(spec)
+    info, _, _ = ensure_checkpoint(config, a.checkpoint, torch.float32)
+    procs = [int(x) for x in a.procs.split(",")]
+    print(f"# bench_dp {datetime.date.today()} {platform.node()} {os.cpu_count()} cpus; "
+          f"{info.get('params', 0) / 1e6:.1f}M parameters, global batch {a.global_batch} x {a.seq} tokens, "
+          f"{a.steps} steps, {a.reps} rep(s); command: {' '.join(sys.argv)}", flush=True)
+    runs: dict[int, list[list[dict]]] = {n: [] for n in procs}
+    for _ in range(a.reps):
+        for n in procs:
+            runs[n].append(launch(a, n))
+    rows = [summarise(runs[n]) for n in procs]
+    base = rows[0]
+    mib = 1 << 20
+    print(f"{'ranks':>5} {'RSS/rank':>9} {'RSS sum':>9} {'PSS/rank':>9} {'PSS sum':>9} {'x1':>6} "
+          f"{'opt/rank s':>10} {'x1':>6} {'step s':>7} {'units/rank':>12}  bytes per lane (rank 0)")
+    for r in rows:
+        print(f"{r['procs']:>5} {r['rss_max'] / mib:>8.0f}M {r['rss_sum'] / mib:>8.0f}M {r['pss_max'] / mib:>8.0f}M "
+              f"{r['pss_sum'] / mib:>8.0f}M {r['pss_sum'] / base['pss_sum']:>6.2f} {r['opt_max']:>10.3f} "
+              f"{r['opt_max'] / base['opt_max']:>6.2f} {r['step']:>7.2f} {str(r['units']):>12}  "
+              f"{ {k: v for k, v in r['lanes'].items() if v} }")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(dict(rows=rows, runs={str(k): v for k, v in runs.items()}), f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
