@@ -19,6 +19,7 @@ Each runs on its own gloo group, created collectively here, so that no two threa
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 from typing import Any
@@ -27,6 +28,7 @@ import torch
 
 from ..planner import hostmem
 from ..planner.world import World, unit_owners
+from ..streaming.nodecopy import dp_timeout_s
 
 
 def all_reduce_mean(grads: list[torch.Tensor], group: Any = None) -> None:
@@ -68,29 +70,6 @@ def unit_owners_of(model: torch.nn.Module, plan, world_size: int) -> dict[int, i
     return dict(zip((u.key for u in units), unit_owners(elems, world_size)))
 
 
-def partitioned_save_error(args) -> str:
-    """Why a checkpoint (or a save while training) is refused with the training state partitioned across ranks."""
-    return (
-        f"save_strategy={str(getattr(args.save_strategy, 'value', args.save_strategy))!r} with data parallel over "
-        f"world_size={args.world_size} ranks: the training state (fp32 masters, 8-bit moments) is partitioned by "
-        "unit across the ranks and checkpoints of a partitioned state are not supported yet; set "
-        "save_strategy='no' (trainer.save_model() after train() writes the trained model) or train on one process."
-    )
-
-
-def check_partitioned_args(args, checkpoint: str | None) -> None:
-    """Refuse, before anything is planned, what a partitioned training state cannot do yet: checkpoints (each rank
-    holds its own units' masters and moments only) and resuming from one."""
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
-        raise ValueError(partitioned_save_error(args))
-    if checkpoint is not None:
-        raise ValueError(
-            f"resume_from_checkpoint={checkpoint!r} with data parallel over world_size={args.world_size} ranks: "
-            "resuming into a training state partitioned by unit is not supported yet; resume on one process, or "
-            "start without resume_from_checkpoint."
-        )
-
-
 class PartitionedDataParallel:
     """The collectives of a streamed run whose training state is partitioned by unit (see the module docstring).
 
@@ -110,9 +89,11 @@ class PartitionedDataParallel:
         self.unit_keys = sorted(self.owners)
         # one gloo group per thread that runs collectives: the executor's worker (gradient reduces), the updater's
         # thread (compute copies), the training thread (norms); created in the same order on every rank
-        self.grad_group = dist.new_group(backend="gloo")
-        self.compute_group = dist.new_group(backend="gloo")
-        self.norm_group = dist.new_group(backend="gloo")
+        # Note: [A failed rank is named] (training/partitions.py): a collective blocked on a silent rank ends
+        timeout = datetime.timedelta(seconds=dp_timeout_s())
+        self.grad_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.compute_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.norm_group = dist.new_group(backend="gloo", timeout=timeout)
         self.reductions: dict[int, int] = {}  # unit -> reduces this rank took part in (read by tests)
         self.received: dict[int, int] = {}  # unit -> compute copies received
         self.resident_reductions = 0
