@@ -274,12 +274,18 @@ class GradientSink:
         n = ls.layout.train_elems
         flat = staging.buffers[k].narrow(0, 0, n)
         pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
-        for e in ls.trainable_entries:
+        end = 0
+        for e in sorted(ls.trainable_entries, key=lambda e: e.elem_offset):
+            # the alignment gaps too: the buffer held another unit's gradient, and the owner's norm is over the
+            # whole flat accumulator the reduce sums into
+            flat.narrow(0, end, e.elem_offset - end).zero_()
+            end = e.elem_offset + e.numel
             view = flat.narrow(0, e.elem_offset, e.numel).view(e.shape)
             if e.param.grad is None:
                 view.zero_()  # e.g. an expert no local token reached: it takes part with zeros
             else:
                 pairs.append((e.param.grad, view))
+        flat.narrow(0, end, n - end).zero_()
         self.sq_norms.pop(i, None)
         last, owner = self._is_last_micro_batch(), self.unit_owners[i]
         self.trace.transfer("net", n * 4, torch.float32, i, "reduce")
