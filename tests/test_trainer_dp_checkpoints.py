@@ -60,9 +60,7 @@ def _assert_partitioned(ckpt, world: int) -> None:
         assert (ckpt / partition_name(r, world)).exists() and (ckpt / layout_name(r, world)).exists(), r
         layout = json.loads((ckpt / layout_name(r, world)).read_text())
         assert layout["world_size"] == world and layout["rank"] == r
-        assert sorted(int(k) for k in layout["units"]) == sorted(
-            int(k) for k, o in layout["owners"].items() if o == r
-        )
+        assert sorted(int(k) for k in layout["units"]) == sorted(int(k) for k, o in layout["owners"].items() if o == r)
         assert layout["states"], "the partition holds its units' moments"
     opt = torch.load(ckpt / "optimizer.pt", weights_only=True)
     assert opt["lazytrain_partitioned"]["world_size"] == world  # optimizer.pt: the resident parameters only
@@ -198,7 +196,9 @@ def _killed_run(tmp_path, where: str):
     the save of step 4 (mid-save); returns (the launch, its run directory)."""
     shm_before = _shm_of_runs()
     run = tmp_path / "killed"
-    proc = _launch(run, 2, check=False, env=_env(DP_TEST_KILL=where, DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="60"))
+    proc = _launch(
+        run, 2, check=False, env=_env(DP_TEST_KILL=where, DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="60")
+    )
     text = proc.stdout + proc.stderr
     print(text[-3000:])
     assert proc.returncode != 0
