@@ -356,8 +356,9 @@ class LazyTrainer(Trainer):
         by_name = optimizer_groups.load_by_name(
             self.optimizer, checkpoint, self.stream_handle is not None, self._legacy_group_names, written_streamed
         )
-        if self._dp is not None or partitions.is_partitioned(checkpoint):  # Note: [A checkpoint of a partitioned
-            by_name = partitions.load_by_name(self.optimizer, checkpoint)  # state] in training/partition_files.py
+        # Note: [A checkpoint of a partitioned state] in training/partition_files.py: any world size
+        if self._dp is not None or partitions.is_partitioned(checkpoint):
+            by_name = partitions.load_by_name(self.optimizer, checkpoint)
         try:
             with by_name:
                 super()._load_optimizer_and_scheduler(checkpoint)
@@ -658,11 +659,10 @@ class LazyTrainer(Trainer):
             self._get_output_dir = original
         if parts is not None:
             parts.complete(staging_root, final, self._updater)  # every rank's partition, then published
+        elif self.args.should_save:  # fp32 masters, state on NVMe, renamed into place (Note: [Atomic checkpoints])
+            checkpoints.complete_checkpoint(staging_root, final, self.stream_handle, self._updater)
         if not self.args.should_save:
             return
-        # fp32 masters and the state on NVMe added, renamed into place (Note: [Atomic checkpoints])
-        if parts is None:
-            checkpoints.complete_checkpoint(staging_root, final, self.stream_handle, self._updater)
         if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
             self.state.best_model_checkpoint = final
         from transformers.trainer_utils import rotate_checkpoints
