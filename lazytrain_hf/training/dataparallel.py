@@ -117,10 +117,10 @@ class PartitionedDataParallel:
 
     def reduce_resident(self, handle) -> None:
         """The resident parameters' device gradients averaged over the ranks (once per optimizer step, before the
-        norm; on the default group, the training thread's): every rank then updates them identically."""
+        norm; on the training thread's group, ``norm_group``): every rank then updates them identically."""
         grads = [p.grad for _, p in handle.resident_parameters() if p.grad is not None]
         if grads:
-            all_reduce_mean(grads)
+            all_reduce_mean(grads, group=self.norm_group)  # the training thread's group, with its timeout
         self.resident_reductions += 1
 
     def global_grad_norm(self, handle) -> float:

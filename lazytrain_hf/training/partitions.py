@@ -30,6 +30,7 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 import torch
@@ -54,6 +55,10 @@ __all__ = ["PartitionCheckpoints", "RankFailedError", "check_partitioned_args", 
            "load_by_name", "save_weights"]  # fmt: skip
 _NVME_ARRAYS = {"m_codes": "exp_avg_codes", "m_abs": "exp_avg_absmax", "v_codes": "exp_avg_sq_codes",
                 "v_abs": "exp_avg_sq_absmax"}  # fmt: skip
+
+
+# Note: [A failed rank is named]: how long a failed collective looks for a dead peer before naming none
+DEATH_GRACE_S = 2.0
 
 
 class RankFailedError(RuntimeError):
@@ -132,8 +137,9 @@ class PartitionCheckpoints:
         return list(ls.entries) if ls is not None else []
 
     # ------------------------------------------------------------------ failures
-    def dead_ranks(self) -> dict[int, str]:
-        """The other ranks of this node whose process is gone or a zombie, with what was seen."""
+    def dead_ranks(self, stopped: bool = False) -> dict[int, str]:
+        """The other ranks of this node whose process is gone or a zombie (``stopped``: or stopped, e.g. by
+        SIGSTOP or a debugger), with what was seen."""
         host = socket.gethostname()
         out = {}
         for r, (h, pid) in enumerate(self.peers):
@@ -142,19 +148,27 @@ class PartitionCheckpoints:
             state = _proc_state(pid)
             if state is None or state in ("Z", "X"):
                 out[r] = f"died (pid {pid}: {'no such process' if state is None else 'a zombie'})"
+            elif stopped and state in ("T", "t"):
+                out[r] = f"is stopped (pid {pid}, state {state}: SIGSTOP or a debugger)"
         return out
 
     def named_failure(self, what: str, error: BaseException) -> RankFailedError:
         """Note: [A failed rank is named]: the error to raise for a collective ``what`` that failed with ``error``."""
-        dead = self.dead_ranks()
+        # a killed peer's sockets close before its process becomes a zombie: look again for a moment
+        dead, until = self.dead_ranks(), time.monotonic() + DEATH_GRACE_S
+        while not dead and time.monotonic() < until:
+            time.sleep(0.01)
+            dead = self.dead_ranks()
         timeout = dp_timeout_s()
         if dead:
             text = "; ".join(f"rank {r} {why}" for r, why in sorted(dead.items()))
             msg = f"rank {self.rank}: {text} during {what} ({type(error).__name__}: {error})"
         else:
             others = [r for r, (h, _) in enumerate(self.peers) if h != socket.gethostname()]
+            stopped = "; ".join(f"rank {r} {why}" for r, why in sorted(self.dead_ranks(stopped=True).items()))
+            stopped = f" ({stopped})" if stopped else ""
             msg = (
-                f"rank {self.rank}: {what} failed and no other rank of this node died; a rank "
+                f"rank {self.rank}: {what} failed and no other rank of this node died{stopped}; a rank "
                 f"{'of ' + str(others) + ' (other nodes) ' if others else ''}died or did not answer within "
                 f"{TIMEOUT_ENV}={timeout:g} s ({type(error).__name__}: {error}). Look for the cause in the other "
                 f"ranks' logs; if a step can take this long, raise {TIMEOUT_ENV}."
@@ -175,10 +189,17 @@ class PartitionCheckpoints:
             raise self.named_failure(what, e) from e
 
     def check_error(self, error: BaseException) -> None:
-        """Raise `RankFailedError` from ``error`` (raised by training) when another rank of this node died."""
-        if isinstance(error, RankFailedError) or not isinstance(error, Exception) or not self.dead_ranks():
+        """Raise `RankFailedError` from ``error`` (raised by training) when another rank of this node died, or a
+        collective failed (a timeout of a silent rank)."""
+        if isinstance(error, RankFailedError) or not isinstance(error, Exception):
             return
-        raise self.named_failure("training", error) from error
+        chain, e = [], error
+        while e is not None and len(chain) < 8:
+            chain.append(e)
+            e = e.__cause__ or e.__context__
+        collective = any("gloo" in str(x) or "Dist" in type(x).__name__ for x in chain)
+        if self.dead_ranks() or collective:
+            raise self.named_failure("training", error) from error
 
     # ------------------------------------------------------------------ the weights file
     def _owned_master(self, key: int) -> torch.Tensor:

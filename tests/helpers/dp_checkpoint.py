@@ -7,7 +7,8 @@ Faults for the tests, read from the environment by this script only (never by th
 ``DP_TEST_KILL=mid-step``: rank ``DP_TEST_KILL_RANK`` (default 1) SIGKILLs itself during optimizer step
 ``DP_TEST_KILL_STEP`` (1-based), in the backward of its second unit (the second gradient reduce of that step);
 ``DP_TEST_KILL=mid-save``: the same rank SIGKILLs itself while it writes its partition of the checkpoint of step
-``DP_TEST_KILL_STEP``, after the first tensor of the partition file.
+``DP_TEST_KILL_STEP``, after the first tensor of the partition file; ``DP_TEST_KILL=hang-step``: as ``mid-step`` but
+SIGSTOP (the rank stops answering without dying).
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ def _install_kill(trainer, rank: int) -> None:
     if not where or rank != int(os.environ.get("DP_TEST_KILL_RANK", "1")):
         return
     step = int(os.environ.get("DP_TEST_KILL_STEP", "3"))
-    if where == "mid-step":
+    if where in ("mid-step", "hang-step"):
         from lazytrain_hf.training.dataparallel import PartitionedDataParallel
 
         real = PartitionedDataParallel.reduce_to_owner
@@ -36,8 +37,9 @@ def _install_kill(trainer, rank: int) -> None:
             if trainer.state.global_step == step - 1:
                 calls.append(unit)
                 if len(calls) == 2:
-                    print(f"rank {rank}: SIGKILL in the backward of unit {unit}, step {step}", flush=True)
-                    os.kill(os.getpid(), signal.SIGKILL)
+                    sig = signal.SIGKILL if where == "mid-step" else signal.SIGSTOP
+                    print(f"rank {rank}: {sig.name} in the backward of unit {unit}, step {step}", flush=True)
+                    os.kill(os.getpid(), sig)
             return real(self, unit, *args, **kwargs)
 
         PartitionedDataParallel.reduce_to_owner = reduce_then_die
