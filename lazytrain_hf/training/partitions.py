@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from ..streaming.nodecopy import TIMEOUT_ENV, dp_timeout_s
+from ..streaming.nodecopy import TIMEOUT_ENV, NodeCopyError, RankFailedError, dp_timeout_s
 from .lazytensor import LazyTensor
 from .masters import separate_masters
 from .optimizer_groups import OptimizerStateMismatch
@@ -59,14 +59,6 @@ _NVME_ARRAYS = {"m_codes": "exp_avg_codes", "m_abs": "exp_avg_absmax", "v_codes"
 
 # Note: [A failed rank is named]: how long a failed collective looks for a dead peer before naming none
 DEATH_GRACE_S = 2.0
-
-
-class RankFailedError(RuntimeError):
-    """A data-parallel rank died or stopped answering (Note: [A failed rank is named]); ``ranks``: which."""
-
-    def __init__(self, message: str, ranks: list[int]):
-        super().__init__(message)
-        self.ranks = ranks
 
 
 def group_timeout() -> datetime.timedelta:
@@ -174,14 +166,14 @@ class PartitionCheckpoints:
                 f"ranks' logs; if a step can take this long, raise {TIMEOUT_ENV}."
             )
         print(f"[lazytrain] {msg}", file=sys.stderr, flush=True)
-        return RankFailedError(msg, sorted(dead))
+        return RankFailedError(msg, dead)
 
     @contextlib.contextmanager
     def guard(self, what: str):
         """Collectives inside raise `RankFailedError` naming a dead rank (Note: [A failed rank is named])."""
         try:
             yield
-        except RankFailedError:
+        except NodeCopyError:  # named by the node copy (a failed or silent local rank)
             raise
         except Exception as e:
             if not self.peers or not (isinstance(e, RuntimeError) or "Dist" in type(e).__name__):
@@ -191,12 +183,16 @@ class PartitionCheckpoints:
     def check_error(self, error: BaseException) -> None:
         """Raise `RankFailedError` from ``error`` (raised by training) when another rank of this node died, or a
         collective failed (a timeout of a silent rank)."""
-        if isinstance(error, RankFailedError) or not isinstance(error, Exception):
+        if not isinstance(error, Exception):
             return
         chain, e = [], error
         while e is not None and len(chain) < 8:
             chain.append(e)
             e = e.__cause__ or e.__context__
+        named = [x for x in chain if isinstance(x, NodeCopyError)]
+        if named:  # the node copy named the rank already: say it at once (a launcher may stop this rank soon)
+            print(f"[lazytrain] rank {self.rank}: {named[0]}", file=sys.stderr, flush=True)
+            return
         collective = any("gloo" in str(x) or "Dist" in type(x).__name__ for x in chain)
         if self.dead_ranks() or collective:
             raise self.named_failure("training", error) from error
