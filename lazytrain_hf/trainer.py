@@ -179,10 +179,8 @@ class LazyTrainer(Trainer):
             # Note: [Squared norms of accumulated gradients] in streaming/gradients.py: norms (and, in data
             # parallel, reductions) only on the last micro-batch of an optimizer step, as Trainer's gradient state says
             self.stream_handle.last_micro_batch = lambda: self.accelerator.sync_gradients
-            if self.args.world_size > 1:  # Note: [The training state is partitioned by unit] (dataparallel.py)
-                self._dp = dataparallel.PartitionedDataParallel(
-                    self.stream_handle, self.args.world_size, self.args.process_index
-                )
+            if self._dp is not None:  # Note: [The training state is partitioned by unit] (dataparallel.py)
+                self._dp.bind(self.stream_handle)
                 self._partitions = partitions.PartitionCheckpoints(self.stream_handle, self._dp)
             self.model_init = None  # Trainer.train() would build another model than the one streamed
             result = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
@@ -193,7 +191,7 @@ class LazyTrainer(Trainer):
                 self._partitions.check_error(e)  # Note: [A failed rank is named] in training/partitions.py
             raise
         finally:
-            self._dp = self._partitions = None
+            self._partitions = None
             self.model_init = model_init
             with contextlib.suppress(AttributeError):
                 del self.model._is_accelerate_prepared
@@ -206,6 +204,8 @@ class LazyTrainer(Trainer):
                 self._write_trace()  # a run of at most stream_trace_steps steps (its updates are complete now)
             handle, self.stream_handle = self.stream_handle, None
             handle.remove()
+            dp, self._dp = self._dp, None
+            dp is not None and dp.close()  # the node copy, once no parameter points into it
         if self._best_pending:
             # Note: [The best model is loaded into the unstreamed model]
             self._best_pending = False
@@ -379,8 +379,8 @@ class LazyTrainer(Trainer):
         """Note: [The training state is partitioned by unit]: each rank holds its own units' training state."""
         if self.args.world_size <= 1:
             return {}
-        owners = dataparallel.unit_owners_of(self.model, plan, self.args.world_size)
-        return dict(unit_owners=owners, rank=self.args.process_index)
+        self._dp = dataparallel.PartitionedDataParallel.for_run(self.model, plan, self.args, self._compute_dtype())
+        return self._dp.attach_kwargs()
 
     def _reduce_resident_grads(self) -> None:
         """The resident parameters' gradients averaged over the ranks, once per optimizer step (before the norm)."""

@@ -25,7 +25,9 @@ Note: [Data parallel reduces the host accumulators once per step]
     (``[LayerStore.grad]``) and averages it across ranks in place (the trainer uses a gloo group, so it runs on
     the worker thread on CUDA while the next layers' backward goes on); the norm is then taken of the reduced
     accumulator. Earlier micro-batches accumulate locally, as ``no_sync`` does for DDP. Every rank completes its
-    layers in the same order, so the reductions pair up. Test: ``tests/test_trainer_ddp.py``.
+    layers in the same order, so the reductions pair up. This is the replicated state (every rank holds every
+    accumulator); `LazyTrainer` partitions it instead (Note: [Partitioned gradients are reduced to their owner every
+    micro-batch]), ``host_grad_reducer`` stays for a `StreamHandle` used without ``unit_owners``.
 
 Note: [Partitioned gradients are reduced to their owner every micro-batch]
     With the training state partitioned by unit (`StreamHandle.unit_owners`; Note: [The training state is
@@ -115,8 +117,7 @@ class RemoteGradStaging:
         self._free[k].set()
 
     def close(self) -> None:
-        for ev in self._free:
-            ev.wait()
+        """Free the buffers; the caller drained the worker first (`StreamHandle.remove` synchronises)."""
         for block in self._pins:
             block.release()
         self._pins.clear()

@@ -103,6 +103,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         state_nvme: dict[str, Any] | None = None,
         unit_owners: dict[int, int] | None = None,
         rank: int = 0,
+        node_copy: Any = None,
     ):
         self.model = model
         self.root = hf_root(model)
@@ -121,6 +122,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.rank = int(rank)
         if self.unit_owners is not None:
             self.store.owned = {k for k, r in self.unit_owners.items() if r == self.rank}
+        self.store.node_copy = node_copy  # Note: [The node's compute copy is shared by its ranks]
         self.engine = TransferEngine(device)
         # every transfer, compute span, update and host synchronisation of a step (lazytrain_hf.streaming.trace)
         self.trace = self.engine.trace
@@ -136,8 +138,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.resident_guard: Callable[[], None] | None = None
         # Called as grad_reducer(layer, grads) on a layer's complete device gradients (one tensor per trainable
         # parameter, in a fixed order, zeros where a parameter got none) before their norm is taken and they are
-        # offloaded. The trainer uses `host_grad_reducer` instead (Note: [Data parallel reduces the host
-        # accumulators once per step] in gradients.py): once per optimizer step, on the host fp32 accumulators.
+        # offloaded. `host_grad_reducer` (Note: [Data parallel reduces the host accumulators once per step] in
+        # gradients.py): once per optimizer step, on the host fp32 accumulators of a replicated state.
         self.grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
         self.host_grad_reducer: Callable[[int, list[torch.Tensor]], None] | None = None
         # With `unit_owners`: called as owner_grad_reducer(unit, flat, owner, last) on every rank, every micro-batch,
@@ -522,6 +524,7 @@ def attach(
     optim_min_8bit_size: int = 4096,
     unit_owners: dict[int, int] | None = None,
     rank: int = 0,
+    node_copy: Any = None,
 ) -> StreamHandle:
     """Install the layer-streaming executor on a HF causal-LM model (or a PEFT wrapper of one).
 
@@ -540,7 +543,8 @@ def attach(
             ``optim_min_8bit_size``.
         unit_owners / rank: data parallel with the training state partitioned by unit (Note: [The training state is
             partitioned by unit] in planner/world.py): ``{unit key: owner rank}`` and this process's rank; the host
-            store holds masters and gradient accumulators (and ``state_nvme_dir`` state files) of owned units only.
+            store holds masters and gradient accumulators (and ``state_nvme_dir`` state files) of owned units only;
+            ``node_copy``: a `NodeCopy` the compute copies are carved from (one per node, shared by its ranks).
 
             Note: [A bf16 compute copy of an fp32 model]
                 Every fp32 parameter is computed in bf16: the host store's compute copy (what slots receive) and
@@ -609,7 +613,17 @@ def attach(
         )
     state_nvme = {"dir": state_nvme_dir, "block_size": optim_block_size, "min_8bit_size": optim_min_8bit_size}
     handle = StreamHandle(
-        model, plan, dev, activation_engine, nvme_dir, pin_memory, compute_dtype, state_nvme, unit_owners, rank
+        model,
+        plan,
+        dev,
+        activation_engine,
+        nvme_dir,
+        pin_memory,
+        compute_dtype,
+        state_nvme,
+        unit_owners,
+        rank,
+        node_copy,
     )
     _ATTACHED.add(model)
     return handle

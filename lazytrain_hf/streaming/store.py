@@ -279,6 +279,11 @@ class HostStore:
         # Note: [The training state is partitioned by unit] (planner/world.py): the units whose training state this
         # process holds (None: every unit); the others get a compute copy only (`LayerStore.remote`)
         self.owned: set[int] | None = None
+        # Note: [The node's compute copy is shared by its ranks] (training/dataparallel.py): a `NodeCopy` every
+        # unit's compute copy is carved from (the same sequence on every local rank); ``shared_compute[i]``: unit i's
+        # bytes there (kept when the state on NVMe takes ``compute_bytes`` away)
+        self.node_copy = None
+        self.shared_compute: dict[int, torch.Tensor] = {}
 
     def reserve(self, nbytes: int) -> PinnedArena:
         """Allocate the pinned arena the layers added next carve their compute copy and gradient accumulators from
@@ -286,6 +291,11 @@ class HostStore:
         ``hostmem.HostFootprint.pinned_bytes``. Without it each buffer is its own exact-size block."""
         self.arena = PinnedArena(nbytes, self.pin_memory)
         return self.arena
+
+    def _compute_buffer(self, n: int, dtype: torch.dtype, pins: list, pin: bool) -> torch.Tensor:
+        if self.node_copy is not None:  # every local rank writes the same initial values
+            return self.node_copy.carve(n, dtype)
+        return self._pinned(n, dtype, pins, pin)
 
     def _pinned(self, n: int, dtype: torch.dtype, pins: list, pin: bool = True) -> torch.Tensor:
         if self.arena is not None and pin:
@@ -350,12 +360,12 @@ class HostStore:
         remote = bool(n_train) and self.owned is not None and index not in self.owned
         own = n_train and not remote  # the unit's master and accumulator live here
         if aliased:
-            compute = self._pinned(layout.compute_bytes // 4, torch.float32, pins, pin)
+            compute = self._compute_buffer(layout.compute_bytes // 4, torch.float32, pins, pin)
             compute_bytes = compute.view(torch.uint8)
             master = compute.narrow(0, 0, n_train) if own else None
         else:
             single = {e.dtype for e in entries}
-            compute_bytes = self._pinned(layout.compute_bytes, torch.uint8, pins, pin)
+            compute_bytes = self._compute_buffer(layout.compute_bytes, torch.uint8, pins, pin)
             compute = compute_bytes.view(next(iter(single))) if len(single) == 1 else None
             # the masters are read and written by the host optimizer only: pageable
             master = torch.zeros(n_train, dtype=torch.float32) if own else None
@@ -429,6 +439,8 @@ class HostStore:
                     e.param.data = target
                 del src
         self.layers[index] = ls
+        if self.node_copy is not None:
+            self.shared_compute[index] = compute_bytes
         if self.on_add is not None:
             self.on_add(index, ls)
         return ls

@@ -17,8 +17,8 @@ per-step totals for those and the last `TOTALS_KEPT` steps, so the trace stays s
 Lanes (`LANES`): ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and ``nvme_write`` (disk <-> host), ``net``
 (between data-parallel ranks: ``reduce``, a unit's fp32 gradient sent to its owner, per micro-batch; ``gather``, a
 unit's compute copy received from its owner on another node, per step; Note: [Partitioned gradients are reduced to
-their owner every micro-batch] in gradients.py, Note: [A unit's new compute copy reaches every rank after its
-owner's update] in training/dataparallel.py). On the CPU
+their owner every micro-batch] in gradients.py, Note: [The node's compute copy is shared by its ranks] in
+training/dataparallel.py). On the CPU
 device a "transfer" is the copy between the host store and a device slot that the CUDA path makes over PCIe, and
 it is recorded the same way, so a plan's bytes are checked on CPU.
 """

@@ -10,8 +10,9 @@
 - the global gradient norm from the per-unit squared norms, each known only on its owner (`global_grad_norm`: Note:
   [The global norm of a partitioned state]);
 - the resident parameters' device gradients averaged over the ranks (`reduce_resident`; every rank updates them);
-- an updated unit's compute copy sent from its owner to the other ranks (`send_compute` / `receive_compute`, on the
-  updater's thread: Note: [A unit's new compute copy reaches every rank after its owner's update]);
+- the node's compute copy, shared by its ranks (a `NodeCopy`): an updated unit's new version published by its owner,
+  waited for by the other local ranks, sent to the other nodes (`send_compute` / `receive_compute`, on the updater's
+  thread: Note: [The node's compute copy is shared by its ranks]);
 - at the end of training, the fp32 masters a rank needs to give its model back (`gather_masters`).
 
 Each runs on its own gloo group, created collectively here, so that no two threads of a rank share one group.
@@ -22,13 +23,15 @@ from __future__ import annotations
 import datetime
 import math
 import os
+import uuid
 from typing import Any
 
 import torch
 
 from ..planner import hostmem
+from ..planner.layouts import ALIGN_BYTES, align_up, layer_layout
 from ..planner.world import World, unit_owners
-from ..streaming.nodecopy import dp_timeout_s
+from ..streaming.nodecopy import NodeCopy, dp_timeout_s
 
 
 def all_reduce_mean(grads: list[torch.Tensor], group: Any = None) -> None:
@@ -70,38 +73,99 @@ def unit_owners_of(model: torch.nn.Module, plan, world_size: int) -> dict[int, i
     return dict(zip((u.key for u in units), unit_owners(elems, world_size)))
 
 
+def node_copy_bytes(model: torch.nn.Module, plan, compute_dtype: torch.dtype | None) -> int:
+    """Bytes of the node copy: every streamed unit's compute copy as the host store lays it out (`layer_layout`),
+    each at an `ALIGN_BYTES` boundary."""
+    units = [u for u in hostmem.units_of_model(model, plan) if u.streamed]
+    return sum(align_up(layer_layout(u.tensors, compute_dtype).compute_bytes, ALIGN_BYTES) for u in units)
+
+
 class PartitionedDataParallel:
-    """The collectives of a streamed run whose training state is partitioned by unit (see the module docstring).
+    """The collectives of a streamed run whose training state is partitioned by unit (see the module docstring), and
+    the node's shared compute copy (Note: [The node's compute copy is shared by its ranks]).
+
+    Built on every rank before the executor is attached (the `NodeCopy` the host store carves its compute copies
+    from is created collectively here), then `bind` to the attached `StreamHandle`; `close` after it was removed.
 
     Args:
-        handle: the attached `StreamHandle`, built with ``unit_owners`` and this process's ``rank``.
-        world_size: ranks in all; ``local_world_size``: ranks per node (``LOCAL_WORLD_SIZE`` of
-            `torch.distributed.run` by default).
+        world_size / rank: ranks in all, this process's; ``owners``: `unit_owners_of`.
+        data_nbytes: bytes of every unit's compute copy (`node_copy_bytes`); ``pin``: page-lock the node copy.
+        local_world_size: ranks per node (``LOCAL_WORLD_SIZE`` of `torch.distributed.run` by default).
     """
 
-    def __init__(self, handle, world_size: int, rank: int, local_world_size: int | None = None):
+    def __init__(
+        self,
+        world_size: int,
+        rank: int,
+        owners: dict[int, int],
+        data_nbytes: int,
+        pin: bool = False,
+        local_world_size: int | None = None,
+    ):
         import torch.distributed as dist
 
         local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world_size))
         self.world = World(world_size, max(1, world_size // max(1, local)))
         self.rank = int(rank)
-        self.owners = dict(handle.unit_owners)
+        self.owners = dict(owners)
         self.unit_keys = sorted(self.owners)
+        self._index = {k: j for j, k in enumerate(self.unit_keys)}  # the node copy's version slot of each unit
         # one gloo group per thread that runs collectives: the executor's worker (gradient reduces), the updater's
-        # thread (compute copies), the training thread (norms); created in the same order on every rank
+        # thread (compute copies), the training thread (norms, setup); created in the same order on every rank
         # Note: [A failed rank is named] (training/partitions.py): a collective blocked on a silent rank ends
         timeout = datetime.timedelta(seconds=dp_timeout_s())
         self.grad_group = dist.new_group(backend="gloo", timeout=timeout)
         self.compute_group = dist.new_group(backend="gloo", timeout=timeout)
         self.norm_group = dist.new_group(backend="gloo", timeout=timeout)
+        # across nodes: one group per local rank, its ranks on every node (units owned on another node arrive there)
+        self.local_groups = []
+        if self.world.nodes > 1:
+            lw = self.world.local_world_size
+            for lr in range(lw):
+                ranks = [n * lw + lr for n in range(self.world.nodes)]
+                self.local_groups.append(dist.new_group(ranks, backend="gloo", timeout=timeout))
+        run_id = [uuid.uuid4().hex if self.rank == 0 else None]
+        dist.broadcast_object_list(run_id, src=0, group=self.norm_group)
+        self.node_copy = NodeCopy(
+            run_id[0],
+            self.world,
+            self.rank,
+            int(data_nbytes),
+            len(self.unit_keys),
+            lambda: dist.barrier(group=self.norm_group),
+            pin,
+        )
+        self.versions = {k: 0 for k in self.unit_keys}  # updates of each unit so far (the node copy's versions)
         self.reductions: dict[int, int] = {}  # unit -> reduces this rank took part in (read by tests)
-        self.received: dict[int, int] = {}  # unit -> compute copies received
+        self.received: dict[int, int] = {}  # unit -> new compute copies of units owned elsewhere seen
         self.resident_reductions = 0
-        handle.owner_grad_reducer = self.reduce_to_owner
+
+    @classmethod
+    def for_run(cls, model: torch.nn.Module, plan, args, compute_dtype: torch.dtype | None) -> PartitionedDataParallel:
+        """For `LazyTrainer`: ``model`` under ``plan`` on ``args.world_size`` ranks, this one ``args.process_index``."""
+        from ..streams import pin_host_memory
+
+        owners = unit_owners_of(model, plan, args.world_size)
+        nbytes = node_copy_bytes(model, plan, compute_dtype)
+        return cls(args.world_size, args.process_index, owners, nbytes, pin_host_memory(args.device))
+
+    def attach_kwargs(self) -> dict[str, Any]:
+        """What `lazytrain_hf.streaming.attach` takes to build this rank's partition of the host store."""
+        return dict(unit_owners=self.owners, rank=self.rank, node_copy=self.node_copy)
 
     def __repr__(self) -> str:
         mine = [k for k in self.unit_keys if self.owners[k] == self.rank]
         return f"PartitionedDataParallel(rank={self.rank}, {self.world}, owned units={mine})"
+
+    def bind(self, handle) -> None:
+        """Send the executor's completed gradients to their owners (Note: [Partitioned gradients are reduced to their
+        owner every micro-batch] in streaming/gradients.py)."""
+        handle.owner_grad_reducer = self.reduce_to_owner
+
+    def close(self) -> None:
+        if self.node_copy is not None:
+            self.node_copy.close()
+            self.node_copy = None
 
     # ------------------------------------------------------------------ gradients
     def reduce_to_owner(self, unit: int, flat: torch.Tensor, owner: int, last: bool) -> None:
@@ -143,44 +207,59 @@ class PartitionedDataParallel:
 
     # ------------------------------------------------------------------ compute copies
     def send_compute(self, handle, unit: int) -> None:
-        """The owner's half of `receive_compute`: its updated compute copy to every other rank."""
+        """The owner's side of Note: [The node's compute copy is shared by its ranks]: its update of ``unit`` is in
+        the node copy (written by the optimizer there, or, for a unit whose state is on NVMe, copied from the unit's
+        file); publish the new version, then send it to the other nodes."""
         import torch.distributed as dist
 
+        self.versions[unit] += 1
+        shared = handle.store.shared_compute[unit]
         spill = handle.nvme_state
         if spill is not None and unit in spill.units:
-            src = spill.read_compute(unit, "broadcast")  # the compute copy lives in the unit's file
+            src = spill.read_compute(unit, "node copy")  # the new compute copy lives in the unit's file
             try:
-                dist.broadcast(src, src=self.rank, group=self.compute_group)
+                shared.copy_(src)
             finally:
                 spill.hold(None, src)
-            return
-        dist.broadcast(handle.store.layers[unit].compute_bytes, src=self.rank, group=self.compute_group)
+        self.node_copy.publish(self._index[unit], self.versions[unit])
+        if self.local_groups:
+            group = self.local_groups[self.world.local_rank(self.rank)]
+            dist.broadcast(shared, src=self.rank, group=group)
 
     def receive_compute(self, handle, unit: int, step: int) -> None:
-        """Note: [A unit's new compute copy reaches every rank after its owner's update]
-        Each rank holds a compute copy of every unit; only the owner updates a unit (its masters and moments are
-        there). The updater of every rank walks the units in unit order: the owner updates the unit and broadcasts
-        its new compute copy (`send_compute`), every other rank receives it here into its own copy, after the
-        fetches still reading the old one (`TransferEngine.wait_host_reads`), refreshes a plan-resident unit's slot
-        and only then marks the unit updated, so its next fetch waits for the new weights (Note: [Update before
-        fetch] in training/updater.py). A rank only ever writes its own copy, so no rank's write races another's
-        fetch. The ordering that would matter for one copy per node (the owner writing step s + 1's weights while
-        another rank still fetches step s's) holds as well: the owner updates a unit after the global norm, which
-        needs every unit's gradient reduce, and a rank enters a unit's reduce only once the unit's backward is
-        complete, i.e. after its last fetch of the unit for that step was consumed (a unit fetched twice, the
-        backward re-fetch or the tied embedding that the head binds again, completes after both uses: Note:
-        [Streamed embeddings and head] in streaming/units.py). Bytes received from an owner on another node are
-        recorded in the trace on the lane ``net`` as ``gather`` (the unit's compute-copy bytes, once per step); on
-        one node they are not (the planned layout shares one copy per node). Tests: ``tests/test_trainer_ddp.py``.
-        """
+        """Note: [The node's compute copy is shared by its ranks]
+        The compute copy of every unit lives once per node, in a `NodeCopy` every local rank maps (the host store
+        carves each unit's compute bytes from it); fp32 masters, moments and accumulators live on the unit's owner
+        only. The updater of every rank walks the units in unit order: the owner writes the unit's new compute copy
+        into the node copy (with an fp32 compute copy its master is that memory, Note: [Compute copy aliases the
+        fp32 master] in streaming/store.py) and publishes the unit's next version (`send_compute`); every other
+        rank of the node waits here for that version and only then marks the unit updated, so its next fetch
+        reads the new weights (Note: [Update before fetch] in training/updater.py, across ranks). A unit owned on
+        another node arrives by a broadcast from its owner to the rank with the owner's local rank on each other
+        node (one gloo group per local rank), which writes it into its node's copy and publishes it; those bytes
+        are recorded in the trace on the lane ``net`` as ``gather`` (the unit's compute-copy bytes, once per step).
+
+        The owner never rewrites a unit while another rank may still fetch its previous version: it updates a unit
+        after the global norm (Note: [The global norm of a partitioned state]), which every rank enters only after
+        its whole backward, and a unit's last fetch of a step is consumed by its backward before the unit is
+        complete and its gradient reduced (a collective the owner also needs first). A unit fetched twice in a step
+        (the backward re-fetch, the tied embedding that the head binds again: Note: [Streamed embeddings and
+        head] in streaming/units.py) completes after both uses. The rank receiving from another node writes the
+        node copy at the same point of the step, after its own fetches (`TransferEngine.wait_host_reads`). Tests:
+        ``tests/test_trainer_ddp.py``."""
         import torch.distributed as dist
 
-        ls = handle.store.layers[unit]
+        self.versions[unit] += 1
         owner = self.owners[unit]
-        handle.engine.wait_host_reads(unit)  # Note: [Host compute copy is not rewritten while a fetch reads it]
-        dist.broadcast(ls.compute_bytes, src=owner, group=self.compute_group)
-        if self.world.node_of(owner) != self.world.node_of(self.rank):
-            handle.trace.transfer("net", ls.compute_bytes.numel(), "uint8", unit, "gather", step=step)
+        w = self.world
+        if w.node_of(owner) != w.node_of(self.rank) and w.local_rank(owner) == w.local_rank(self.rank):
+            shared = handle.store.shared_compute[unit]
+            handle.engine.wait_host_reads(unit)  # Note: [Host compute copy is not rewritten while a fetch reads it]
+            dist.broadcast(shared, src=owner, group=self.local_groups[w.local_rank(owner)])
+            handle.trace.transfer("net", shared.numel(), "uint8", unit, "gather", step=step)
+            self.node_copy.publish(self._index[unit], self.versions[unit])
+        else:
+            self.node_copy.wait(self._index[unit], self.versions[unit], owner)
         handle.sync_compute(unit, compute_written=True)  # a plan-resident unit's slot re-uploaded
         self.received[unit] = self.received.get(unit, 0) + 1
 

@@ -200,6 +200,10 @@ def predict_bytes(
         min_8bit_size=int(getattr(args, "optim_min_8bit_size", 4096)),
     )
     out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)))
+    from ..streaming.trace import LANES
+
+    for lane in LANES:  # every lane the trace records; one process moves nothing on ``net`` (data parallel)
+        out.setdefault(lane, 0)
     plan.predicted["bytes_per_step"] = out
     return out
 

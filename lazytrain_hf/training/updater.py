@@ -82,8 +82,9 @@ class LayerwiseUpdater:
             if ls.master is None:
                 continue
             self.layers[i] = [(e.name, ls.master_views[e.name], ls.grad_views[e.name]) for e in ls.trainable_entries]
-        # Note: [A unit's new compute copy reaches every rank after its owner's update] (training/dataparallel.py):
-        # units another rank updates; this rank receives their compute copy, in unit order among its own updates
+        # Note: [The node's compute copy is shared by its ranks] (training/dataparallel.py):
+        # units another rank updates; this rank waits for their new compute copy in the node copy (or receives it
+        # from another node), in unit order among its own updates
         self.data_parallel = data_parallel
         self.remote = [i for i, ls in sorted(handle.store.layers.items()) if ls.remote]
         if self.remote and data_parallel is None:
@@ -321,7 +322,7 @@ class LayerwiseUpdater:
                 for i, params in layers:
                     t0 = clock()
                     if params is None:
-                        # Note: [A unit's new compute copy reaches every rank after its owner's update]
+                        # Note: [The node's compute copy is shared by its ranks]
                         dp.receive_compute(self.handle, i, step)
                         self._events[i].set()
                         continue

@@ -35,6 +35,7 @@ def main() -> None:
     p.add_argument("--model-type", default="qwen3")
     p.add_argument("--state-nvme", default=None, help="state_nvme_dir (every streamed unit's state there)")
     p.add_argument("--stream-embeddings", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="bf16 compute copy of the fp32 model (fp32 masters)")
     a = p.parse_args()
 
     from safetensors.torch import save_file
@@ -60,6 +61,8 @@ def main() -> None:
         extra.update(state_nvme_dir=a.state_nvme, state_nvme_layers="all")
     if a.stream_embeddings:
         extra.update(stream_embeddings=True)
+    if a.bf16:
+        extra.update(bf16=True)
     trainer = make_trainer(
         os.path.join(a.out, "run"),
         max_steps=a.max_steps,
@@ -107,6 +110,21 @@ def main() -> None:
                 if i in updated_nvme or any(id(m) in updated_ids for _, m, _ in entries)
             )
             stats["units"] = sorted(handle.store.layers)
+            # the compute copies in the node's shared segment (data parallel), or in this process's memory
+            nc = handle.store.node_copy
+            if nc is not None:
+                lo, hi = nc.data.data_ptr(), nc.data.data_ptr() + nc.data_nbytes
+                shared = handle.store.shared_compute.values()
+                stats["compute_in_node_copy"] = all(lo <= t.data_ptr() < hi for t in shared)
+                stats["node_copy_bytes"] = nc.data_nbytes
+            # the trace's lane "net" per completed step, by kind (reduce, gather)
+            stats["net"] = []
+            for step in handle.trace.steps:
+                kinds: dict[str, int] = {}
+                for t in step.get("transfers", []):
+                    if t["lane"] == "net":
+                        kinds[t["what"]] = kinds.get(t["what"], 0) + t["bytes"]
+                stats["net"].append(kinds)
             if handle.nvme_state is not None:
                 stats["nvme_units"] = sorted(handle.nvme_state.units)
 

@@ -1,0 +1,105 @@
+"""The training state partitioned by unit across data-parallel ranks, in one process: what the host store holds for
+units another rank owns, the gradients handed to the owner reduce (bit for bit the device gradients, alignment gaps
+zeroed), the unit order of `unit_owners_of`, and the errors. The collectives themselves run in
+tests/test_trainer_ddp.py (several processes)."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import tiny_model
+from test_streaming import padded_batch
+
+from lazytrain_hf import models
+from lazytrain_hf.planner.plan import Plan
+from lazytrain_hf.streaming import attach
+from lazytrain_hf.training import dataparallel
+from lazytrain_hf.training.updater import LayerwiseUpdater
+
+
+def _plan(model, stream_embeddings: bool = False) -> Plan:
+    kinds = models.layer_kinds(model.config)
+    plan = Plan.default(len(kinds), kinds=kinds, prefetch_depth=1)
+    plan.stream_embeddings = stream_embeddings
+    return plan
+
+
+def test_unit_owners_in_unit_order():
+    """Units in unit order (embedding, layers 0..L-1, head), dealt by trainable elements (planner/world.py)."""
+    model = tiny_model("qwen3", seed=1)
+    assert dataparallel.unit_owners_of(model, _plan(model), 2) == {0: 0, 1: 1, 2: 0, 3: 1}
+    owners = dataparallel.unit_owners_of(model, _plan(model, stream_embeddings=True), 2)
+    assert list(owners) == [-1, 0, 1, 2, 3, 4]
+    assert owners[-1] == 0 and owners[0] == 1  # the embedding (the largest unit) first, to rank 0
+    assert dataparallel.unit_owners_of(model, _plan(model), 1) == {0: 0, 1: 0, 2: 0, 3: 0}
+
+
+def test_remote_units_hold_a_compute_copy_only():
+    model = tiny_model("qwen3", seed=1)
+    full = attach(model, _plan(model))
+    whole = full.store.host_bytes()
+    full.remove()
+    handle = attach(model, _plan(model), unit_owners={0: 0, 1: 1, 2: 0, 3: 1}, rank=0)
+    try:
+        for i, ls in handle.store.layers.items():
+            assert ls.remote == (i in (1, 3))
+            assert (ls.master is None and ls.grad is None) == ls.remote
+            assert bool(ls.master_views) != ls.remote and bool(ls.grad_views) != ls.remote
+        part = handle.store.host_bytes()
+        print(f"host store bytes: every unit {whole}, rank 0 of 2 {part}")
+        assert part["compute"] == whole["compute"]  # every rank computes every unit
+        assert 2 * part["grad"] == whole["grad"] and 2 * part["master"] == whole["master"]
+        with pytest.raises(ValueError, match="data_parallel"):
+            LayerwiseUpdater(handle)
+    finally:
+        handle.remove()
+
+
+@pytest.mark.parametrize("stream_embeddings", [False, True])
+def test_gradients_handed_to_the_owner_reduce_are_the_device_gradients(stream_embeddings):
+    """Without collectives: the reducer sees, for every unit and on every micro-batch, a flat fp32 buffer holding the
+    unit's gradient in the accumulator layout (the owner's accumulator or, for units another rank owns, the reused
+    staging), bit for bit the unpartitioned accumulator, alignment gaps zero. With the embedding and head streamed
+    the staging is reused across units of different layouts (the gaps held another unit's gradient)."""
+    batch = padded_batch()
+    ref_model = tiny_model("qwen3", seed=1)
+    ref = attach(ref_model, _plan(ref_model, stream_embeddings))
+    ref_model(**batch).loss.backward()
+    ref.synchronize()
+    want = {i: ls.grad.clone() for i, ls in ref.store.layers.items()}
+    ref.remove()
+
+    model = tiny_model("qwen3", seed=1)
+    owners = dataparallel.unit_owners_of(model, _plan(model, stream_embeddings), 2)
+    handle = attach(model, _plan(model, stream_embeddings), unit_owners=owners, rank=0)
+    seen: dict[int, tuple[torch.Tensor, int, bool]] = {}
+    try:
+        with pytest.raises(RuntimeError, match="owner_grad_reducer"):
+            model(**batch).loss.backward()
+        handle.remove()
+        model = tiny_model("qwen3", seed=1)
+        handle = attach(model, _plan(model, stream_embeddings), unit_owners=owners, rank=0)
+        handle.owner_grad_reducer = lambda unit, flat, owner, last: seen.__setitem__(unit, (flat.clone(), owner, last))
+        model(**batch).loss.backward()
+        handle.synchronize()
+        assert sorted(seen) == sorted(want)
+        for i, (flat, owner, last) in seen.items():
+            assert owner == owners[i] and last
+            assert torch.equal(flat, want[i]), f"unit {i}: {(flat - want[i]).abs().max()}"
+        remote = [i for i, ls in handle.store.layers.items() if ls.remote]
+        assert remote and all(i not in handle.sq_norms for i in remote)  # a non-owner takes no norm
+        assert handle.trace.current["bytes"]["net"] == sum(4 * want[i].numel() for i in remote)
+    finally:
+        handle.remove()
+
+
+def test_partitioned_checkpoints_and_resume_are_refused():
+    args = SimpleNamespace(save_strategy="steps", world_size=2)
+    with pytest.raises(ValueError, match=r"save_strategy='steps'.*world_size=2.*set save_strategy='no'"):
+        dataparallel.check_partitioned_args(args, None)
+    args.save_strategy = "no"
+    dataparallel.check_partitioned_args(args, None)
+    with pytest.raises(ValueError, match=r"resume_from_checkpoint='out/checkpoint-2'.*world_size=2"):
+        dataparallel.check_partitioned_args(args, "out/checkpoint-2")
