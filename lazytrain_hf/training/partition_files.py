@@ -8,15 +8,16 @@ Note: [A checkpoint of a partitioned state]
     training/staging.py):
 
     - ``model.safetensors`` (or its shards and index, as `save_pretrained` writes them) by rank 0 with every unit's
-      values, the same file a single process writes: the compute copy of every unit is on every rank, and where the
-      saved weight is the fp32 master (Note: [A checkpoint holds the model in its own dtype] in
-      training/saved_weights.py) rank 0 receives the masters of the units it does not own from their owners, one
-      unit at a time in unit order (`training/partitions.py`);
+      values, the same file a single process writes: every unit's compute copy is readable on every rank (the
+      node's shared copy, training/dataparallel.py), and where the saved weight is the fp32 master (Note: [A
+      checkpoint holds the model in its own dtype] in training/saved_weights.py) rank 0 receives the masters of
+      the units it does not own from their owners, one unit at a time in unit order (`training/partitions.py`);
     - per rank ``r`` of ``W``: ``lazytrain_partition-<r>-of-<W>.safetensors`` (`partition_name`), for each
       trainable parameter of the units ``r`` owns: ``<name>.exp_avg_codes``, ``.exp_avg_absmax``,
       ``.exp_avg_sq_codes``, ``.exp_avg_sq_absmax`` (8-bit moments and their block scales), or ``.exp_avg`` /
-      ``.exp_avg_sq`` below ``min_8bit_size`` (the keys of `NVME_STATE_FILE`); and ``<name>.master`` for the fp32 masters the weights file does not hold bit for bit (a
-      bf16 model's; the same rule as ``lazytrain_master.safetensors`` of one process). Units whose state is on
+      ``.exp_avg_sq`` below ``min_8bit_size`` (the keys of `NVME_STATE_FILE`); and ``<name>.master`` for the fp32
+      masters the weights file does not hold bit for bit (a bf16 model's; the same rule as
+      ``lazytrain_master.safetensors`` of one process). Units whose state is on
       NVMe (``state_nvme_dir``) are read from the rank's own state files. Beside it
       ``lazytrain_partition-<r>-of-<W>.json`` (`layout_name`), the layout record: ``world_size``, ``rank``,
       ``unit_order`` (every streamed unit's key), ``owners`` (unit key -> rank), ``units`` (this rank's unit keys

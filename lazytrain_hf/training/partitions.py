@@ -80,8 +80,8 @@ def check_partitioned_args(args, model) -> None:
     if saving and not streams_weights(model):
         raise ValueError(
             f"save_strategy={str(getattr(args.save_strategy, 'value', args.save_strategy))!r} with data parallel over "
-            f"world_size={args.world_size} ranks on a {type(model).__name__} (not a transformers PreTrainedModel, e.g. "
-            "a PEFT wrapper): checkpoints of its partitioned state are not supported; set save_strategy='no' and "
+            f"world_size={args.world_size} ranks on a {type(model).__name__} (not a transformers PreTrainedModel, "
+            "e.g. a PEFT wrapper): checkpoints of its partitioned state are not supported; set save_strategy='no' and "
             "save after train(), or train on one process."
         )
 
