@@ -3,6 +3,7 @@
 lazytrain plan --model qwen2.5-7b --hardware h800 --seq-len 1024
 lazytrain plan --model qwen3-8b --hardware rtx3090 --seq-len 1024 --auto-batch-size --timeline out.png --json
 lazytrain plan --model path/to/config.json --hardware my_profile.json --seq-len 2048 --gpu-budget 70GiB
+lazytrain plan --model qwen2.5-7b --hardware h800 --seq-len 1024 --world-size 16 --nodes 2
 lazytrain simulate --plan plan.json --model qwen2.5-7b --hardware h800 --timeline out.png
 """
 
@@ -110,6 +111,14 @@ def make_parser() -> argparse.ArgumentParser:
     p.add_argument("--gap", type=float, default=0.01, help="relative MIP gap")
     p.add_argument("--solver", default="auto", choices=("auto", "cbc", "highs"))
     p.add_argument("--save", type=_output_path("--save", "plan.json"), default=None, help="write the plan JSON here")
+    p.add_argument(
+        "--world-size",
+        type=int,
+        default=1,
+        help="data-parallel ranks in all, sharing one copy of the training state (default 1); --host-budget is "
+        "then each node's, for all its ranks",
+    )
+    p.add_argument("--nodes", type=int, default=1, help="machines the --world-size ranks run on (default 1)")
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="replay a saved plan JSON on a hardware profile")
@@ -162,9 +171,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
     _validate_common(args)
     if args.search_time_limit <= 0:
         raise ValueError(f"--search-time-limit={args.search_time_limit} must be > 0 seconds (e.g. 60).")
+    world = _world(args)
     hw = _profile(args)
     gpu = args.gpu_budget or hw.default_gpu_budget()
     host = hw.default_host_budget() if args.host_budget is None else args.host_budget
+    host //= world.local_world_size  # each rank's share of the node's pinned activation budget
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         plan = milp.plan_for_model(
@@ -184,6 +195,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             # the whole command within --search-time-limit: less what loading the config took, less the baseline
             # comparisons after the search
             search_time_limit=max(1.0, args.search_time_limit - (time.perf_counter() - t_cmd) - _AFTER_SEARCH_S),
+            world=world if world.world_size > 1 else None,
         )
     cfg, _ = milp._resolve_config(args.model)
     cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=plan.model)
@@ -211,6 +223,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the fallback / kept / presolve keys say why the plan is not the solver's own, or how presolve went
     keys = ("status", "seconds", "gap", "presolve", "stopped", "fallback", "kept")
     solver = {k: plan.solver.get(k) for k in keys if k in plan.solver or k in ("status", "seconds", "gap")}
+    world_out = _world_summary(plan, cm, sim) if world.world_size > 1 else None
     if args.json:
         out = {
             "plan": plan.to_dict(),
@@ -219,6 +232,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
             "max_batch_size": max_bs,
             "solver": solver,
         }
+        if world_out is not None:
+            out["world"] = world_out
         print(json.dumps(out, indent=2))
     else:
         print(plan.table())
@@ -238,11 +253,68 @@ def cmd_plan(args: argparse.Namespace) -> int:
                 f"{name:<20} {p['step_time_s']:>9.4f} {p['tflops']:>8.1f} {ratio:>12} "
                 f"{format_bytes(p['peak_gpu_bytes']):>10} {max_bs.get(name, 0):>9}"
             )
+        if world_out is not None:
+            print("\n" + _world_text(world_out))
         if args.timeline:
             print(f"timeline: {args.timeline}")
     for w in caught:
         print(f"warning: {w.message}", file=sys.stderr)
     return 0
+
+
+def _world(args: argparse.Namespace):
+    """The ``--world-size`` / ``--nodes`` world (`World` names the flag and the fix in its errors)."""
+    from .planner.world import World
+
+    return World(args.world_size, args.nodes)
+
+
+def _world_summary(plan, cm, sim) -> dict[str, Any]:
+    """Per node and per rank host RAM (`hostmem.counts_world_footprint`: the node's shared compute copy once, each
+    rank's state, staging and pinned activations) and the predicted step of ``plan``'s world (the simulator's slowest
+    rank) with rank 0's bytes per lane."""
+    from .planner.hostmem import counts_world_footprint
+
+    world = plan.world
+    wf = counts_world_footprint(
+        [lc.params for lc in cm.layers], cm.embed_params, cm.head_params, cm.dtype_bytes, world
+    )
+    acts = int(plan.predicted.get("pinned_host_bytes", 0) or 0)
+    for fp in wf.ranks:
+        fp.activations = acts
+    per_rank = [max(fp.total, fp.save_peak) for fp in wf.ranks]
+    return {
+        "world_size": world.world_size,
+        "nodes": world.nodes,
+        "ranks_per_node": world.local_world_size,
+        "host_bytes_per_node": [wf.node_peak(n) for n in range(world.nodes)],
+        "shared_compute_bytes": wf.shared,
+        "host_bytes_per_rank": per_rank,
+        "host_terms_rank0": {k: v for k, v in wf.ranks[0].as_dict().items() if v},
+        "host_memory_bytes": cm.hardware.host_memory_bytes,
+        "step_time_s": sim.step_time_s,
+        "tokens_per_s": sim.tokens_per_s * world.world_size,
+        "bytes_per_step_rank0": plan.predicted.get("bytes_per_step"),
+    }
+
+
+def _world_text(w: dict[str, Any]) -> str:
+    node = max(w["host_bytes_per_node"])
+    lines = [
+        f"world: {w['world_size']} ranks on {w['nodes']} node(s), {w['ranks_per_node']} per node",
+        f"  host RAM per node: {format_bytes(node)} (shared compute copy {format_bytes(w['shared_compute_bytes'])} "
+        f"+ {w['ranks_per_node']} ranks) of {format_bytes(w['host_memory_bytes'])}"
+        + ("" if node <= w["host_memory_bytes"] else "  -- does NOT fit the node's host memory"),
+        "  host RAM per rank: "
+        + ", ".join(f"rank {r} {format_bytes(b)}" for r, b in enumerate(w["host_bytes_per_rank"][:8]))
+        + (" ..." if len(w["host_bytes_per_rank"]) > 8 else ""),
+        f"  predicted step (slowest rank, simulated): {w['step_time_s']:.4f} s, {w['tokens_per_s']:.0f} tokens/s "
+        "for the world",
+    ]
+    b = w.get("bytes_per_step_rank0") or {}
+    if b:
+        lines.append("  rank 0 bytes per step: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in b.items()))
+    return "\n".join(lines)
 
 
 def cmd_simulate(args: argparse.Namespace) -> int:
@@ -276,7 +348,7 @@ def cmd_simulate(args: argparse.Namespace) -> int:
             f"peak device {format_bytes(sim.peak_gpu_bytes)}; stage model: {ev.step_time_s:.4f} s; "
             f"{'fits' if ev.peak_gpu_bytes <= gpu else 'does NOT fit'} {format_bytes(gpu)}"
         )
-        for lane in ("compute", "h2d", "d2h", "cpu"):
+        for lane in ("compute", "h2d", "d2h", "cpu") + (("net",) if plan.world_size > 1 else ()):
             print(f"  {lane:<8} busy {100 * sim.busy_fraction(lane):5.1f}%")
     return 0
 

@@ -90,6 +90,10 @@ class _AutogradThread:
             except BaseException as e:  # re-raised on the calling thread
                 box.append((False, e))
             done.set()
+            # the job's tensors (the loss, and through its graph the parameters) must not outlive the backward while
+            # this thread waits for the next one: autograd keeps no reference to them, and `remove()` swaps
+            # parameters, which a stray reference refuses (tests/test_state_nvme.py::test_units_from_disk_stay_on_disk)
+            del job, args, kwargs, done, box
 
     def call(self, *args: Any, **kwargs: Any) -> Any:
         if threading.current_thread() is self.thread:

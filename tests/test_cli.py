@@ -210,3 +210,53 @@ def test_bad_search_time_limit_is_refused(capsys, no_solve):
         "--search-time-limit", "0",
     )  # fmt: skip
     assert code == 2 and "--search-time-limit=0.0 must be > 0 seconds" in err, err
+
+
+# ----------------------------------------------------------------------------------------- a data-parallel world
+@pytest.mark.parametrize(
+    "world,words",
+    [
+        (["--world-size", "0"], ["world_size=0 must be >= 1", "--world-size"]),
+        (["--nodes", "0"], ["nodes=0 must be >= 1", "--nodes"]),
+        (["--world-size", "3", "--nodes", "2"], ["world_size=3 is not a multiple of nodes=2", "--world-size"]),
+    ],
+)
+def test_bad_world_is_refused_before_solving(capsys, no_solve, world, words):
+    code, _, err = run(capsys, "plan", "--model", "qwen2.5-3b", "--hardware", "h800", "--seq-len", "256", *world)
+    assert code == 2 and "Traceback" not in err
+    for w in words:
+        assert w in err, (w, err)
+
+
+def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys, tmp_path):
+    argv = ["plan", "--model", "qwen2.5-1.5b", "--hardware", "h800", "--seq-len", "512", "--batch-size", "2"]
+    argv += ["--world-size", "4", "--nodes", "2", "--time-limit", "10"]
+    code, out, _ = run(capsys, *argv)
+    assert code == 0
+    for w in ("world: 4 ranks on 2 node(s), 2 per node", "host RAM per node:", "host RAM per rank: rank 0", "net"):
+        assert w in out, (w, out[-2000:])
+    assert "predicted step (slowest rank, simulated)" in out
+    code, out, _ = run(capsys, *argv, "--json", "--save", str(tmp_path / "plan.json"))
+    data = json.loads(out)
+    w = data["world"]
+    assert (data["plan"]["world_size"], data["plan"]["nodes"]) == (4, 2)
+    assert (w["world_size"], w["nodes"], w["ranks_per_node"]) == (4, 2, 2)
+    assert len(w["host_bytes_per_node"]) == 2 and len(w["host_bytes_per_rank"]) == 4
+    for n in range(2):  # the node's shared compute copy once, plus its two ranks (each at most its peak)
+        ranks = w["host_bytes_per_rank"][2 * n : 2 * n + 2]
+        assert (
+            w["shared_compute_bytes"] + max(ranks)
+            < w["host_bytes_per_node"][n]
+            <= w["shared_compute_bytes"] + sum(ranks)
+        )
+    assert w["bytes_per_step_rank0"]["net"] > 0 and w["step_time_s"] > 0
+    # the saved plan carries its world: `simulate` replays it on the net lane too
+    code, out, _ = run(capsys, "simulate", *argv[1:7], "--plan", str(tmp_path / "plan.json"))
+    assert code == 0 and "net      busy" in out
+    # one rank: the output has no world block, as before
+    code, out, _ = run(capsys, *argv[:9], "--json")
+    assert (
+        code == 0
+        and "world" not in json.loads(out)
+        and "net" not in json.loads(out)["plan"]["predicted"].get("bytes_per_step", {})
+    )

@@ -114,11 +114,14 @@ def _batch(model, seed: int) -> torch.Tensor:
     return torch.randint(0, model.config.vocab_size, (2, 12), generator=g)
 
 
-def _grads(tmp_path, state_nvme: list[int], ga: int, **model_kw) -> dict[str, torch.Tensor]:
-    """Host gradients after ``ga`` micro-batches (accumulated) with the given units' state on NVMe."""
+def _grads(
+    tmp_path, state_nvme: list[int], ga: int, prefetch_depth: int = 1, seen: dict | None = None, **model_kw
+) -> dict[str, torch.Tensor]:
+    """Host gradients after ``ga`` micro-batches (accumulated) with the given units' state on NVMe; ``seen`` gets the
+    step's host syncs (before the gradients are read) and the most fetch windows allocated at once."""
     model = tiny_model("qwen3", **model_kw)
     L = model.config.num_hidden_layers
-    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=state_nvme)
+    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=state_nvme, prefetch_depth=prefetch_depth)
     handle = attach(model, plan, "cpu", state_nvme_dir=str(tmp_path) if state_nvme else None)
     try:
         handle.zero_grad()
@@ -127,6 +130,10 @@ def _grads(tmp_path, state_nvme: list[int], ga: int, **model_kw) -> dict[str, to
             ids = _batch(model, k)
             out = model(input_ids=ids, labels=ids)
             out.loss.backward()
+        if seen is not None:
+            seen["sync_reasons"] = dict(handle.trace.current["sync_reasons"])
+            if handle.nvme_state is not None:
+                seen["fetch_windows"] = handle.nvme_state.fetch_windows.most_allocated
         return {n: g.clone() for n, g in handle.grads().items()}
     finally:
         handle.remove()
@@ -323,6 +330,129 @@ def test_state_nvme_accumulated_gradient_is_read_off_the_training_thread(sim, tm
     monkeypatch.setattr(NvmeState, "read_grads", reading_back)
     _grads(tmp_path, [0, 1, 2, 3], 2)
     assert on_training_thread == []
+
+
+def _compute_reads(monkeypatch) -> list[tuple[str, bool]]:
+    """Record (thread name, whether a wait there stalls the step) of every read of a unit's compute copy from its
+    state file until `StreamHandle.remove` reads the units back (on purpose, on the training thread)."""
+    import threading
+
+    from lazytrain_hf.streaming.nvmestate import NvmeState
+    from lazytrain_hf.threads import on_step_path
+
+    reads: list[tuple[str, bool]] = []
+    in_step = [True]
+    pread, leave_on_disk = NvmeState._pread, NvmeState.leave_on_disk
+
+    def spy(self, u, out, nbytes, offset):
+        if in_step[0] and offset == 0 and nbytes == u.compute_bytes:
+            reads.append((threading.current_thread().name, on_step_path()))
+        return pread(self, u, out, nbytes, offset)
+
+    def removing(self, key, ls):
+        in_step[0] = False
+        return leave_on_disk(self, key, ls)
+
+    monkeypatch.setattr(NvmeState, "_pread", spy)
+    monkeypatch.setattr(NvmeState, "leave_on_disk", removing)
+    return reads
+
+
+def test_state_nvme_fetch_is_read_off_the_training_thread(sim, tmp_path, monkeypatch):
+    """Defect (reads on the training thread): a unit whose state is on NVMe was fetched by a synchronous pread of its
+    compute copy on the thread that issues the fetch (the training thread in forward, the autograd thread in
+    backward) before its H2D copy was issued, so every prefetch blocked the host for a whole read. The read now runs
+    on the state's reader thread, which issues the H2D copy once the read landed; gradients over two micro-batches
+    stay bit-exact to the state in RAM."""
+    ram = _grads(tmp_path / "ram", [], 2)
+    reads = _compute_reads(monkeypatch)
+    disk = _grads(tmp_path, [0, 1, 2, 3], 2)
+    assert len(reads) >= 2 * 4, reads  # each unit fetched at least once per micro-batch
+    on_step = [name for name, stalls in reads if stalls]
+    assert on_step == [], f"{len(on_step)} of {len(reads)} fetch reads on the step's threads: {sorted(set(on_step))}"
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+
+
+def test_state_nvme_fetch_windows_are_bounded(sim, tmp_path, monkeypatch):
+    """Note: [A fetch from NVMe is read off the step's threads]: with fetches issued three stages ahead and every H2D
+    copy stalling for longer than a forward, the reads still go through at most `STATE_FETCH_WINDOWS` fetch windows
+    (the host footprint's charge), each reused only once the copy that read it completed: a window refilled earlier
+    would hand the slot the next unit's bytes, and the gradients would differ from the state in RAM."""
+    from lazytrain_hf.planner.hostmem import STATE_FETCH_WINDOWS
+
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "1")
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS", "transfer-h2d")
+    ram = _grads(tmp_path / "ram", [], 1, prefetch_depth=3)
+    seen: dict = {}
+    disk = _grads(tmp_path, [0, 1, 2, 3], 1, prefetch_depth=3, seen=seen)
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+    assert seen["fetch_windows"] == STATE_FETCH_WINDOWS, seen
+
+
+def test_state_nvme_fetch_read_stalls_are_waited_for(sim, tmp_path, monkeypatch):
+    """The simulation models the read of a fetch from NVMe as a background worker (``state-read``, Note: [Every
+    background worker stalls for longer than a forward] in lazytrain_hf/streams.py): with every read stalling, the
+    slots are poisoned until read and copy landed, the compute side waits for both (counted as host syncs: the step
+    does block when a read is late) and the gradients equal the state in RAM."""
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "1")
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_WORKERS", "state-read")
+    ram = _grads(tmp_path / "ram", [], 1)
+    seen: dict = {}
+    disk = _grads(tmp_path, [0, 1, 2, 3], 1, seen=seen)
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
+    assert seen["sync_reasons"].get("a fetch waits for its read from NVMe", 0) > 0, seen
+
+
+def test_state_nvme_fetch_read_error_reaches_the_step(sim, tmp_path, monkeypatch):
+    """A read of a fetch that fails on the reader thread is raised on the step's thread where the compute side waits
+    for that fetch (as the read on the training thread raised it), and the handle is removed cleanly afterwards."""
+    from lazytrain_hf.streaming.nvmestate import NvmeState
+    from lazytrain_hf.streaming.statelayout import StateNvmeError
+
+    model = tiny_model("qwen3")
+    L = model.config.num_hidden_layers
+    plan = Plan.default(L, micro_batch_size=2, seq_len=12, state_nvme=list(range(L)))
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    handle = attach(model, plan, "cpu", state_nvme_dir=str(tmp_path))
+    pread = NvmeState._pread
+
+    def failing(self, u, out, nbytes, offset):
+        if u.key == 2 and offset == 0 and nbytes == u.compute_bytes:
+            raise StateNvmeError(5, "injected read failure")
+        return pread(self, u, out, nbytes, offset)
+
+    monkeypatch.setattr(NvmeState, "_pread", failing)
+    ids = _batch(model, 0)
+    try:
+        with pytest.raises(StateNvmeError, match="injected read failure"):
+            model(input_ids=ids, labels=ids)
+    finally:
+        monkeypatch.setattr(NvmeState, "_pread", pread)
+        handle.remove()
+    after = dict(model.named_parameters())
+    assert after.keys() == before.keys()
+    assert all(torch.equal(before[n], after[n]) for n in before)  # no step ran: every weight back as it was
+
+
+@pytest.mark.parametrize("ga", [1, 2])
+def test_state_nvme_gradients_cross_without_host_syncs(sim, tmp_path, monkeypatch, ga):
+    """The gradient path of units whose state is on NVMe: the D2H copies land in registered windows (a pageable one
+    raises, ``test_state_nvme_windows_are_pinned``), the accumulated gradient is read and the window written back on
+    the host worker (``test_state_nvme_accumulated_gradient_is_read_off_the_training_thread``), so a step's threads
+    never wait per unit for a gradient: the only host syncs of a step (before its gradients are read) are fetches
+    waiting for their NVMe read, which the run with the state in RAM does not have, and the gradients are equal."""
+    monkeypatch.setenv("LAZYTRAIN_SIMULATE_ASYNC_STALL_SHARE", "0")  # no worker lags a whole forward behind
+    seen_ram: dict = {}
+    seen: dict = {}
+    ram = _grads(tmp_path / "ram", [], ga, seen=seen_ram)
+    disk = _grads(tmp_path, [0, 1, 2, 3], ga, seen=seen)
+    assert seen_ram["sync_reasons"] == {}, seen_ram
+    assert set(seen["sync_reasons"]) <= {"a fetch waits for its read from NVMe"}, seen
+    for n in ram:
+        assert torch.equal(ram[n], disk[n]), n
 
 
 def test_pinned_memory_is_allocated_through_lazytrain_pinned():

@@ -266,6 +266,25 @@ def test_state_nvme_dir_errors(tmp_path, monkeypatch):
     assert f"state_nvme_dir={str(tmp_path)!r}" in str(e.value)
 
 
+def test_state_io_threads_never_block_exit(tmp_path):
+    """Note: [Spill I/O threads never block exit] (activations/nvme.py) holds for the state on NVMe too: its reader and
+    writer are daemon threads started with it (it ran its I/O on `ThreadPoolExecutor`s, whose non-daemon workers start
+    lazily inside `submit`, where a Ctrl-C could leave one for the interpreter's exit to join for ever), and `close`
+    stops them."""
+    import threading
+
+    from lazytrain_hf.streaming.trace import Trace
+
+    before = set(threading.enumerate())
+    state = ns.NvmeState(str(tmp_path), Trace())
+    started = [t for t in threading.enumerate() if t not in before]
+    assert sorted(t.name for t in started) == ["lazytrain-state-r-0", "lazytrain-state-w-0"], started
+    assert all(t.daemon and t.is_alive() for t in started)
+    state.close()
+    assert not any(t.is_alive() for t in started)
+    assert os.listdir(tmp_path) == []
+
+
 def test_state_that_does_not_fit_names_state_nvme_dir(tmp_path):
     """Without state_nvme_dir a state over planner_host_budget is refused before anything is allocated, and the
     message points at state_nvme_dir."""

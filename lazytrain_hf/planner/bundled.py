@@ -37,6 +37,9 @@ from .hwprofile import GB, GiB, HardwareProfile, TiB
 #   per expert they reach ~ 70% of a dense GEMM's rate (no published point to fit; a plain ratio).
 # - memory_gbps: ~85% of the datasheet HBM bandwidth, what STREAM-like elementwise kernels reach (H100/H800 SXM
 #   3.35 TB/s -> 2850 GB/s, H200 4.8 -> 4080, A100 80 GB 2.04 -> 1730, RTX 3090 0.936 -> 800, RTX 4090 1.008 -> 860).
+# - net_gbps / shm_gbps (a data-parallel world's gradient reduces and compute-copy gathers, host to host): every
+#   GPU profile keeps `HardwareProfile`'s defaults (5 GB/s between nodes: gloo over TCP on 100 Gb/s; 10 GB/s between
+#   the ranks of a node through shared memory), assumed figures until measured; the CPU machine: its memcpy.
 # - kernel_overhead_s: 5 us per kernel, PyTorch eager dispatch + CUDA launch of one op (only what a short kernel
 #   cannot hide; negligible at layer shapes of billions of parameters, visible on tiny ones).
 _HOPPER_GEMM = 0.52
@@ -145,6 +148,7 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         memory_gbps=29.0,
         kernel_overhead_s=5e-6,
         efficiency={"attention": 0.5, "attention_bwd": 0.4, "linear_attention": 0.5, "moe": 0.5},
+        shm_gbps=19.0,
         source="measured facts of a 2-core AMD EPYC (AVX2) development machine, 24 GiB, no GPU",
     ),
 }

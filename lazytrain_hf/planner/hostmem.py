@@ -35,6 +35,19 @@ tensor, ``db`` bytes of the compute dtype, ``bs`` the optimizer's 8-bit block si
   backward, its compute window (the largest unit) and its `STATE_CHUNK_WINDOWS` chunk windows (Note: [The out-of-core
   optimizer step is chunked]).
 
+In a data-parallel world (`lazytrain_hf.planner.world`, Note: [The training state is partitioned by unit]) the terms
+are a rank's (`host_footprint` with ``world`` and ``rank``) plus what a node holds once (`WorldFootprint`):
+
+- ``shared``: the streamed units' compute copies (and the originals of their rounded frozen parameters), ONE copy
+  per node in shared memory that every rank of the node fetches from; not in a rank's `HostFootprint.total`;
+- ``masters``, ``grads``, ``optimizer`` of a streamed unit, its state file and its gradient / optimizer windows on
+  NVMe: only on the unit's owner (summed over the ranks: one copy of each);
+- ``reduce_staging``: pinned fp32 staging of the gradients the rank sends to other owners (the ``reduce`` of
+  `lazytrain_hf.planner.schedule`), at most `REDUCE_STAGING_UNITS` units at once, the largest it does not own;
+- everything else as with one rank, on every rank: the resident parameters (every rank updates them), pinned
+  activations, gradient staging, the CPU device's memory, the checkpoint transient, the fetch windows of units on
+  NVMe. A node holds ``shared`` once plus the terms of each of its ranks (`WorldFootprint.node_total`).
+
 Not counted: the model's own tensors before the store replaces them (each streamed parameter's storage is released
 as its layer is stored), Python and library overhead, the activations of one layer's forward on a CPU device.
 """
@@ -47,6 +60,7 @@ from dataclasses import asdict, dataclass
 import torch
 
 from .layouts import ALIGN_BYTES, align_up, layer_layout
+from .world import World, unit_owners
 
 # Gradient staging in flight at once with gradient accumulation (the bound the engine's staging keeps): two layers
 # of device gradients in the compute dtype, one being copied while the previous one is added on the host.
@@ -57,6 +71,9 @@ GRAD_STAGING_LAYERS = 2
 STATE_FETCH_WINDOWS = 2
 STATE_GRAD_WINDOWS = 2
 STATE_CHUNK_WINDOWS = 5
+# Pinned fp32 staging of gradients sent to their owners in a data-parallel world: one unit being sent while the next
+# one's gradient lands (Note: [Two stages of copies in flight] in streaming/engine.py)
+REDUCE_STAGING_UNITS = 2
 # The 8-bit state layout of HybridAdamW8bit's defaults (block 256, fp32 moments below 4096 elements, as bitsandbytes)
 DEFAULT_BLOCK_SIZE = 256
 DEFAULT_MIN_8BIT_SIZE = 4096
@@ -73,6 +90,8 @@ TERM_NAMES = {
     "device_on_host": "device memory in host RAM (CPU device)",
     "checkpoint": "checkpoint-save transient",
     "state_windows": "windows of the state on NVMe",
+    "reduce_staging": "reduce staging",
+    "shared": "node-shared compute copy (once per node)",
 }
 
 
@@ -92,6 +111,10 @@ class HostFootprint:
     state_windows: int = 0
     # bytes of the state files of the units on NVMe (not host memory; what state_nvme_dir must hold)
     nvme_state: int = 0
+    # a data-parallel world: fp32 staging of the gradients sent to other owners (in `total`), and the node's one
+    # shared compute copy (NOT in this rank's `total`: `WorldFootprint` counts it once per node)
+    reduce_staging: int = 0
+    shared: int = 0
 
     @property
     def state(self) -> int:
@@ -102,7 +125,7 @@ class HostFootprint:
     @property
     def total(self) -> int:
         """Peak host bytes over a training step: the state, pinned activations, staging and (CPU) device memory."""
-        return self.state + self.activations + self.staging + self.device_on_host
+        return self.state + self.activations + self.staging + self.device_on_host + self.reduce_staging
 
     @property
     def save_peak(self) -> int:
@@ -173,8 +196,11 @@ def host_footprint(
     pinned_activation_bytes: int = 0,
     pool_slots: dict[str, int] | None = None,
     state_nvme: set[int] | frozenset[int] = frozenset(),
+    world: World | None = None,
+    rank: int = 0,
 ) -> HostFootprint:
-    """Every term of the run's host footprint (module docstring) for parameters grouped as ``units``.
+    """Every term of the run's host footprint (module docstring) for parameters grouped as ``units``: with
+    ``world`` of several ranks, rank ``rank``'s terms and the node's ``shared`` compute copy.
 
     Args:
         units: the streamed units and the resident parameters (`units_of_model`, or counts for a config).
@@ -186,6 +212,7 @@ def host_footprint(
         pinned_activation_bytes: the plan's pinned activation buffers.
         pool_slots: per layer kind, the number of slots of its pool (CPU device only; `slot_pool_sizes`).
         state_nvme: keys of the streamed units whose state is on NVMe (``Unit.key``).
+        world, rank: the data-parallel world (default: one rank) and the rank whose terms these are.
     """
     from .layouts import CHUNK_ELEMS, IO_ALIGN, state_file_bytes  # here: tests set a smaller CHUNK_ELEMS
 
@@ -197,13 +224,24 @@ def host_footprint(
     max_unit, max_grad_compute, transient = 0, 0, 0
     staged = False  # a streamed gradient crosses in a dtype other than its fp32 accumulator's
     slot_bytes: dict[str, int] = {}
+    owner = unit_owner_map(units, world)
+    multi = world is not None and world.world_size > 1
+    sent: list[int] = []  # fp32 gradient bytes of the streamed units another rank owns
     for u in units:
         trainable = [n for n, _, t in u.tensors if t]
-        fp.optimizer += optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
         in_compute = lay_dtypes(u.tensors, compute_dtype)
+        mine = not u.streamed or owner.get(u.key, rank) in (rank, -1)  # a frozen unit has no owner: no state
+        if mine:
+            fp.optimizer += optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
         if u.streamed:
             lay = layer_layout(u.tensors, compute_dtype)
-            if u.key in state_nvme:  # its state is in its file: only its windows and small fp32 moments stay
+            if not mine:
+                sent.append(4 * lay.train_elems)
+                if u.key in state_nvme:
+                    win_compute.append(lay.compute_bytes + 2 * IO_ALIGN)  # its fetches read the compute copy
+                else:
+                    fp.shared += lay.compute_bytes
+            elif u.key in state_nvme:  # its state is in its file: only its windows and small fp32 moments stay
                 small = [n for n, _, t in u.tensors if t and not (hybrid_8bit and n >= min_8bit_size)]
                 fp.optimizer -= optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
                 fp.optimizer += 8 * sum(small)
@@ -215,6 +253,11 @@ def host_footprint(
                 big = max([n for n in trainable if n not in small] or [0])
                 c = min(CHUNK_ELEMS, max(big, max(small or [0])))
                 chunk = max(chunk, c * 10 + 8 * -(-c // block_size) + 8 * IO_ALIGN)
+            elif multi:  # its state on this rank, its compute copy in the node's shared memory
+                fp.shared += lay.compute_bytes
+                fp.masters += lay.master_bytes
+                fp.grads += lay.grad_bytes
+                fp.pinned_store += align_up(lay.grad_bytes)
             else:
                 fp.compute += lay.compute_bytes
                 fp.masters += lay.master_bytes
@@ -222,9 +265,12 @@ def host_footprint(
                 fp.pinned_store += align_up(lay.compute_bytes) + align_up(lay.grad_bytes)
             if not u.on_disk:
                 # Note: [A frozen parameter keeps its own values] (streaming/store.py): the original of a frozen
-                # parameter whose compute copy is rounded stays on the host
+                # parameter whose compute copy is rounded stays on the host (beside the node's shared copy)
                 kept = [n * d.itemsize for (n, d, t), (_, cd, _) in zip(u.tensors, in_compute) if not t and cd != d]
-                fp.masters += sum(kept)
+                if multi:
+                    fp.shared += sum(kept)
+                else:
+                    fp.masters += sum(kept)
             max_unit = max(max_unit, lay.compute_bytes)
             max_grad_compute = max(max_grad_compute, sum(n * d.itemsize for n, d, t in in_compute if t))
             staged |= any(t and d != torch.float32 for _, d, t in in_compute)
@@ -261,7 +307,8 @@ def host_footprint(
     if gradient_accumulation_steps > 1 or staged:
         fp.staging = GRAD_STAGING_LAYERS * max_grad_compute
     fp.checkpoint = max_unit
-    if state_nvme:
+    fp.reduce_staging = sum(sorted(sent, reverse=True)[:REDUCE_STAGING_UNITS])
+    if win_grad or win_compute:
         fp.state_windows = (
             # windows of different units, the largest ones: fetches in flight all step; in backward the gradients
             # in flight, while the next forward runs the optimizer's (its compute window and chunks): the backward
@@ -269,10 +316,99 @@ def host_footprint(
             sum(sorted(win_compute, reverse=True)[:STATE_FETCH_WINDOWS])
             + max(
                 sum(sorted(win_grad, reverse=True)[:STATE_GRAD_WINDOWS]),
-                max(win_compute) + STATE_CHUNK_WINDOWS * chunk,
+                (max(win_compute) + STATE_CHUNK_WINDOWS * chunk) if win_grad else 0,
             )
         )
     return fp
+
+
+def unit_owner_map(units: list[Unit], world: World | None) -> dict[int, int]:
+    """``{unit key: owner rank}`` of the streamed ``units`` (`units_of_model`) in ``world`` (empty for one rank):
+    dealt in unit order (embedding ``-1``, layers, head ``L``: the keys' order) by their trainable elements (numels
+    summed), as `lazytrain_hf.planner.world.unit_owners` deals them; the executor's partition is this one."""
+    if world is None or world.world_size == 1:
+        return {}
+    streamed = sorted((u for u in units if u.streamed and u.key is not None), key=lambda u: u.key)
+    elems = [sum(n for n, _, t in u.tensors if t) for u in streamed]
+    return {u.key: o for u, o in zip(streamed, unit_owners(elems, world.world_size))}
+
+
+@dataclass
+class WorldFootprint:
+    """The host footprint of a data-parallel world: each rank's terms (`HostFootprint`, its ``shared`` the node's
+    compute copy) and per node the shared copy once plus the terms of its ranks.
+
+    ``total``, ``save_peak`` and ``activations`` are the largest node's, so `place_state` and the budget arithmetic
+    of one rank work unchanged on a world (a budget is then per node)."""
+
+    world: World
+    ranks: list[HostFootprint]
+
+    @property
+    def shared(self) -> int:
+        return self.ranks[0].shared
+
+    def node_ranks(self, node: int) -> list[HostFootprint]:
+        k = self.world.local_world_size
+        return self.ranks[node * k : (node + 1) * k]
+
+    def node_total(self, node: int) -> int:
+        """Peak host bytes of ``node`` over a training step: its shared copy once plus its ranks' totals."""
+        return self.shared + sum(fp.total for fp in self.node_ranks(node))
+
+    def node_save_peak(self, node: int) -> int:
+        return self.shared + sum(fp.save_peak for fp in self.node_ranks(node))
+
+    def node_peak(self, node: int) -> int:
+        return max(self.node_total(node), self.node_save_peak(node))
+
+    @property
+    def total(self) -> int:
+        return max(self.node_total(n) for n in range(self.world.nodes))
+
+    @property
+    def save_peak(self) -> int:
+        return max(self.node_save_peak(n) for n in range(self.world.nodes))
+
+    @property
+    def activations(self) -> int:
+        return max(sum(fp.activations for fp in self.node_ranks(n)) for n in range(self.world.nodes))
+
+    @property
+    def nvme_state(self) -> int:
+        """Bytes of the state files of the largest node's ranks (each rank's files hold its own units)."""
+        return max(sum(fp.nvme_state for fp in self.node_ranks(n)) for n in range(self.world.nodes))
+
+    def describe(self) -> str:
+        from ..units import format_bytes
+
+        node = max(range(self.world.nodes), key=self.node_peak)
+        ranks = "; ".join(
+            f"rank {node * self.world.local_world_size + j}: {fp.describe()}"
+            for j, fp in enumerate(self.node_ranks(node))
+        )
+        return f"node {node}: {format_bytes(self.node_peak(node))} = shared compute copy {format_bytes(self.shared)} + {ranks}"
+
+
+def world_footprint(units: list[Unit], world: World, **kwargs) -> WorldFootprint:
+    """`host_footprint` of every rank of ``world`` (``kwargs``: its other arguments)."""
+    return WorldFootprint(
+        world, [host_footprint(units, world=world, rank=r, **kwargs) for r in range(world.world_size)]
+    )
+
+
+def rank_activation_budget(node_budget: int, wf: WorldFootprint | HostFootprint) -> int:
+    """Pinned activation bytes each rank may plan for so that every node fits ``node_budget`` bytes of host RAM: what
+    the node's shared copy and its ranks' other terms (at their peak) leave, divided among its ranks. With one rank
+    (a `HostFootprint`): the budget less the footprint's peak without its activations."""
+    if isinstance(wf, HostFootprint):
+        return max(0, int(node_budget) - (max(wf.total, wf.save_peak) - wf.activations))
+    k = wf.world.local_world_size
+    left = []
+    for n in range(wf.world.nodes):
+        acts = sum(fp.activations for fp in wf.node_ranks(n))
+        left.append((int(node_budget) - (wf.node_peak(n) - acts)) // k)
+    return max(0, min(left))
 
 
 def lay_dtypes(
@@ -379,9 +515,12 @@ def run_footprint(
     block_size: int = DEFAULT_BLOCK_SIZE,
     min_8bit_size: int = DEFAULT_MIN_8BIT_SIZE,
     gradient_accumulation_steps: int = 1,
+    rank: int = 0,
 ) -> HostFootprint:
     """`host_footprint` of training ``model`` streamed with ``plan`` (parameters may be meta: only shapes, dtypes
-    and ``requires_grad`` are read)."""
+    and ``requires_grad`` are read), on rank ``rank`` of the plan's world: in a world of several ranks the rank's
+    own terms, without the node's shared compute copy (``shared``); a node's whole footprint is
+    `world_run_footprint`'s."""
     units = units_of_model(model, plan)
     device_type = torch.device(device).type
     pinned = int((plan.predicted or {}).get("pinned_host_bytes", 0) or 0) if plan is not None else 0
@@ -396,7 +535,16 @@ def run_footprint(
         pinned_activation_bytes=pinned,
         pool_slots=slot_pool_sizes(plan, units) if device_type == "cpu" else None,
         state_nvme=frozenset(plan.state_nvme) if plan is not None else frozenset(),
+        world=plan.world if plan is not None else None,
+        rank=rank,
     )
+
+
+def world_run_footprint(model: torch.nn.Module, plan, **kwargs) -> WorldFootprint:
+    """`run_footprint` of every rank of ``plan``'s world (``kwargs``: its other arguments): what the host budget of a
+    node is checked against (`WorldFootprint.node_peak`, `rank_activation_budget`)."""
+    world = plan.world
+    return WorldFootprint(world, [run_footprint(model, plan, rank=r, **kwargs) for r in range(world.world_size)])
 
 
 def spill_order(plan, units: list[Unit]) -> list[int]:
@@ -443,6 +591,17 @@ def counts_footprint(layer_params: list[int], embed_params: int, head_params: in
     layer one tensor, the embedding and the head resident on a CUDA device, gradient accumulation on (staging
     counted). Per-tensor 8-bit thresholds and alignment padding are below 0.1% of a real model's state."""
     dt = torch.float32 if dtype_bytes == 4 else torch.bfloat16
-    units = [Unit([(n, dt, True)], True) for n in layer_params]
+    units = [Unit([(n, dt, True)], True, key=i) for i, n in enumerate(layer_params)]
     units.append(Unit([(n, dt, True) for n in (embed_params, head_params) if n], False))
     return host_footprint(units, gradient_accumulation_steps=2)
+
+
+def counts_world_footprint(
+    layer_params: list[int], embed_params: int, head_params: int, dtype_bytes: int, world: World
+) -> WorldFootprint:
+    """`counts_footprint` on every rank of ``world``: each decoder layer a unit owned by one rank, the embedding
+    and head resident on every rank."""
+    dt = torch.float32 if dtype_bytes == 4 else torch.bfloat16
+    units = [Unit([(n, dt, True)], True, key=i) for i, n in enumerate(layer_params)]
+    units.append(Unit([(n, dt, True) for n in (embed_params, head_params) if n], False))
+    return world_footprint(units, world, gradient_accumulation_steps=2)

@@ -57,6 +57,13 @@ class HardwareProfile:
         kernel_overhead_s: ``t_kernel``, fixed seconds per kernel (framework dispatch + launch; 0: not modelled).
         efficiency: ``{class: eta}`` for the classes of `COMPUTE_CLASSES` other than ``gemm``, as fractions of
             ``peak_tflops``; a missing class runs at ``achievable_fraction``.
+        net_gbps: ``BW_net`` in GB/s, host-to-host bandwidth between two nodes of a data-parallel world, one
+            direction, as the gradient reduces and compute-copy gathers see it (`lazytrain_hf.planner.world`).
+            Default 5: gloo's TCP transport on a 100 Gb/s link (12.5 GB/s on the wire) with one connection per peer
+            and CPU-bound framing; an assumed figure until measured on the cluster.
+        shm_gbps: ``BW_shm`` in GB/s, host-to-host bandwidth between two ranks of one node (a copy through shared
+            memory). Default 10: one core's memcpy between two processes' pages on a server (its memory bandwidth
+            is shared with the optimizer); an assumed figure until measured.
     """
 
     name: str
@@ -77,6 +84,8 @@ class HardwareProfile:
     memory_gbps: float = 0.0
     kernel_overhead_s: float = 0.0
     efficiency: dict[str, float] = field(default_factory=dict)
+    net_gbps: float = 5.0
+    shm_gbps: float = 10.0
 
     def __post_init__(self) -> None:
         # json.load reads NaN and Infinity; a NaN rate would reach the solver as a NaN coefficient
@@ -90,6 +99,8 @@ class HardwareProfile:
             "nvme_write_gbps",
             "host_memory_bytes",
             "cpu_optimizer_params_per_s",
+            "net_gbps",
+            "shm_gbps",
         ):
             value = getattr(self, name)
             if not _finite(value) or value <= 0:
@@ -176,6 +187,14 @@ class HardwareProfile:
     def nvme_write_bytes_per_s(self) -> float:
         return self.nvme_write_gbps * GB
 
+    @property
+    def net_bytes_per_s(self) -> float:
+        return self.net_gbps * GB
+
+    @property
+    def shm_bytes_per_s(self) -> float:
+        return self.shm_gbps * GB
+
     def default_gpu_budget(self) -> int:
         """Device memory the planner may use when no budget is given: ``M_gpu`` minus a 10% reserve (allocator
         fragmentation, CUDA context, kernels' own workspaces)."""
@@ -231,4 +250,12 @@ class HardwareProfile:
         )
 
 
-_OPTIONAL_KEYS = ("layer_times", "layer_times_shape", "memory_gbps", "kernel_overhead_s", "efficiency")
+_OPTIONAL_KEYS = (
+    "layer_times",
+    "layer_times_shape",
+    "memory_gbps",
+    "kernel_overhead_s",
+    "efficiency",
+    "net_gbps",
+    "shm_gbps",
+)

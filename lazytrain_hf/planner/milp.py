@@ -45,6 +45,8 @@ from .stages import (
     reload_aheads,
 )
 from .warmstart import start_candidates
+from .world import World
+from .worldcost import for_world, record_world, world_host_state_bytes
 
 __all__ = [
     # the entry points
@@ -336,6 +338,7 @@ def plan_for_model(
     lookahead: int = DEFAULT_LOOKAHEAD,
     state_nvme: Sequence[int] = (),
     search_time_limit: float = 60,
+    world: World | None = None,
 ) -> Plan:
     """Plan training of ``config`` on ``hardware`` (the entry point the trainer uses).
 
@@ -350,6 +353,10 @@ def plan_for_model(
             gets at most its share of what is left (``min(time_limit, left / solves left)``).
         state_nvme: the units whose training state is on NVMe (`lazytrain_hf.planner.hostmem.place_state`): their
             state I/O is in the stage and tail constraints (`CostModel.with_state_nvme`), and the plan keeps them.
+        world: the data-parallel world every rank runs the plan in (`lazytrain_hf.planner.world`; default one
+            rank): the MILP plans with a rank's optimizer times (`worldcost.for_world`), ``host_budget`` is then
+            each rank's pinned activation budget (`hostmem.rank_activation_budget` of the node's), and the plan
+            records the world and rank 0's ``bytes_per_step``.
     """
     t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
@@ -377,10 +384,13 @@ def plan_for_model(
         base = base.with_measured_times(list(measured_times[0]), list(measured_times[1]))
     if state_nvme:
         base = base.with_state_nvme(state_nvme)
-    if base.host_state_bytes > hw.host_memory_bytes:
+    base = for_world(base, world)
+    host_state = base.host_state_bytes if world is None else world_host_state_bytes(base, world)
+    if host_state > hw.host_memory_bytes:
         warnings.warn(
-            f"{name}: the host model state ({base.host_state_bytes / 2**30:.0f} GiB: fp32 master, grads, 8-bit "
-            f"moments) exceeds hardware {hw.name}'s host memory ({hw.host_memory_bytes / 2**30:.0f} GiB).",
+            f"{name}: the host model state ({host_state / 2**30:.0f} GiB: fp32 master, grads, 8-bit "
+            f"moments{', per node' if world is not None and world.world_size > 1 else ''}) exceeds hardware "
+            f"{hw.name}'s host memory ({hw.host_memory_bytes / 2**30:.0f} GiB).",
             stacklevel=2,
         )
     kw = dict(
@@ -397,7 +407,7 @@ def plan_for_model(
         plan = solve(base, **kw)
         plan.model = name
         plan.state_nvme = sorted(int(k) for k in state_nvme)
-        return plan
+        return record_world(plan, base, world)
 
     cms: dict[int, CostModel] = {}
 
@@ -427,4 +437,4 @@ def plan_for_model(
     best.predicted["batch_sizes_tried"] = list(candidates)
     best.model = name
     best.state_nvme = sorted(int(k) for k in state_nvme)
-    return best
+    return record_world(best, cm_at(best.micro_batch_size), world)

@@ -23,6 +23,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any
 
+from .world import World
+
 # Where a layer's saved activations live between its forward and its backward.
 POLICIES: tuple[str, ...] = ("keep", "offload_cpu", "offload_nvme", "recompute")
 # Where the saved *input* of a recomputed layer lives (the only tensor a recomputed layer saves).
@@ -106,6 +108,9 @@ class Plan:
             ``-1`` the streamed embedding, ``num_layers`` the streamed head. Their weight fetches read the compute
             copy from NVMe first, their gradients are written there, and their optimizer step reads and writes the
             state (`lazytrain_hf.planner.schedule`). Chosen by `lazytrain_hf.planner.hostmem.place_state`.
+        world_size: ranks of the data-parallel world the plan was made for, every rank executes it
+            (Note: [The training state is partitioned by unit] in `lazytrain_hf.planner.world`); 1: one process.
+        nodes: machines those ranks run on, ``world_size // nodes`` on each.
     """
 
     layers: list[LayerPlan]
@@ -121,6 +126,8 @@ class Plan:
     checkpoint_every: int = 1
     optimizer_overlap: bool = True
     state_nvme: list[int] = field(default_factory=list)
+    world_size: int = 1
+    nodes: int = 1
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -134,6 +141,11 @@ class Plan:
             for i, k in enumerate(kinds)
         ]
         return cls(layers=layers, **kwargs)
+
+    @property
+    def world(self) -> World:
+        """The data-parallel world the plan was made for (`World`)."""
+        return World(self.world_size, self.nodes)
 
     @property
     def num_layers(self) -> int:
@@ -152,6 +164,14 @@ class Plan:
             lp.validate()
         if self.micro_batch_size < 1 or self.seq_len < 1 or self.loss_chunk_tokens < 1:
             raise PlanError("micro_batch_size, seq_len and loss_chunk_tokens must be >= 1.")
+        for name in ("world_size", "nodes"):
+            if not isinstance(getattr(self, name), int) or isinstance(getattr(self, name), bool):
+                raise PlanError(f"{name}={getattr(self, name)!r} must be an integer >= 1.")
+        if self.world_size < 1 or self.nodes < 1 or self.world_size % self.nodes:
+            raise PlanError(
+                f"world_size={self.world_size}, nodes={self.nodes}: both must be >= 1 and world_size a multiple of "
+                "nodes (the same number of ranks on every node)."
+            )
         if self.checkpoint_every < 1:
             raise PlanError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = per-layer policies).")
         L = len(self.layers)
@@ -294,6 +314,7 @@ class Plan:
         rows.append(
             f"source={self.source} micro_batch_size={self.micro_batch_size} seq_len={self.seq_len} "
             f"hardware={self.hardware or '-'} stream_embeddings={self.stream_embeddings}"
+            + (f" world_size={self.world_size} nodes={self.nodes}" if self.world_size > 1 else "")
         )
         if self.predicted:
             pred = ", ".join(

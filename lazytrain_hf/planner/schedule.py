@@ -21,7 +21,16 @@ stage it is issued in), written from the executor's rules, which read the same `
 - training state on NVMe (``plan.state_nvme``, `lazytrain_hf.streaming.nvmestate`): every fetch of such a unit first
   reads its compute copy from NVMe (same stage); its gradients are written to its state file when its backward is
   complete (and, with gradient accumulation, read back before the next micro-batch adds into them); its optimizer
-  step reads and writes its state once per step (``UnitBytes.state_read`` / ``state_write``).
+  step reads and writes its state once per step (``UnitBytes.state_read`` / ``state_write``);
+- a data-parallel world (``plan.world_size`` ranks on ``plan.nodes`` nodes,
+  Note: [The training state is partitioned by unit] in `lazytrain_hf.planner.world`): the transfers of one rank.
+  On the ``net`` lane: ``reduce``, the rank's fp32 gradient of each streamed unit another rank owns
+  (``4 * train_elems``), sent to the owner every micro-batch when the unit's backward is complete (the stage of its
+  D2H gradient); ``gather``, the compute copy of each unit owned on another node that this rank receives for its
+  node (`world.gather_receiver`), once per optimizer step after the owner's update. The state of a unit on NVMe is
+  in its owner's files: only the owner writes and reads its gradient there and runs its optimizer step's state I/O.
+  With one rank there is no ``net`` traffic and `bytes_per_step` has no ``net`` key (the single-process trace and
+  plan files are unchanged).
 
 Consumers: the plan's ``predicted["bytes_per_step"]`` (`bytes_per_step`), which the executor's trace
 (`lazytrain_hf.streaming.trace`) must equal exactly; the simulator (`simulate.py`), which replays these transfers
@@ -36,8 +45,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .plan import Plan
+from .world import World, gather_receiver, owners_by_key, unit_order
 
-LANES: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write")
+# ``net``: host to host between the ranks of a data-parallel world (gloo, shared memory); only with world_size > 1
+LANES: tuple[str, ...] = ("h2d", "d2h", "nvme_read", "nvme_write", "net")
 
 
 @dataclass(frozen=True)
@@ -52,6 +63,10 @@ class UnitBytes:
             device).
         reloaded: what ``offload_*`` brings back (``saved`` less the tensors freed before backward); None: same.
         input: bytes of the layer's input hidden states (what a recomputed layer leaves on its input tier).
+        train_elems: elements of the unit's fp32 gradient accumulator (`LayerLayout.train_elems`, alignment
+            included): what a ``reduce`` moves (4 B each) in a data-parallel world.
+        trainable: trainable elements of the unit's streamed parameters (their numels summed, no alignment): what
+            its owner is dealt by (`lazytrain_hf.planner.world.unit_owners`).
     """
 
     weight: int = 0
@@ -64,6 +79,8 @@ class UnitBytes:
     grad_file: int = 0
     state_read: int = 0
     state_write: int = 0
+    train_elems: int = 0
+    trainable: int = 0
 
 
 @dataclass(frozen=True)
@@ -95,12 +112,15 @@ class Transfer:
     Attributes:
         lane: one of `LANES`.
         what: ``fetch_fwd``, ``fetch_bwd``, ``fetch_rec`` (block recomputation), ``offload``, ``reload``,
-            ``spill`` (NVMe write), ``unspill`` (NVMe read), ``grad``, ``upload``.
+            ``spill`` (NVMe write), ``unspill`` (NVMe read), ``grad``, ``upload``, ``state`` (a unit's state on
+            NVMe), ``reduce`` and ``gather`` (``net`` lane: a data-parallel world).
         layer: decoder layer index, ``-1`` for the embedding unit, ``L`` for the head unit, ``None`` for the
             parameters that are not streamed.
         stage: the stage the executor issues it in (``F_i = i``, ``H = L``, ``B_i = 2L - i``, ``2L + 1`` = after
             backward: the optimizer step).
         per_step: issued once per optimizer step (else once per micro-batch).
+        peer: on the ``net`` lane, the other rank: the owner a ``reduce`` is sent to, the owner a ``gather`` comes
+            from; None elsewhere.
     """
 
     lane: str
@@ -109,21 +129,49 @@ class Transfer:
     nbytes: int
     stage: int
     per_step: bool = False
+    peer: int | None = None
 
 
-def step_transfers(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: int = 1) -> list[Transfer]:
-    """Every transfer of one micro-batch (and the per-step ones) of ``plan``, sorted by issue stage."""
+def unit_owners_of(plan: Plan, sizes: StepBytes, world: World | None = None) -> dict[int, int]:
+    """``{unit key: owner rank}`` of the streamed units of ``plan`` in ``world`` (default: the plan's), dealt by
+    their ``trainable`` elements in `world.unit_order` (`world.owners_by_key`); ``-1``: nothing to train."""
+    world = plan.world if world is None else world
+    L = plan.num_layers
+    elems = {i: u.trainable for i, u in enumerate(sizes.layers)}
+    if plan.stream_embeddings:
+        elems.update({-1: sizes.embed.trainable, L: sizes.head.trainable})
+    return owners_by_key(elems, L, plan.stream_embeddings, world.world_size)
+
+
+def step_transfers(
+    plan: Plan,
+    sizes: StepBytes,
+    gradient_accumulation_steps: int = 1,
+    world: World | None = None,
+    rank: int = 0,
+) -> list[Transfer]:
+    """Every transfer of one micro-batch (and the per-step ones) of ``plan`` on rank ``rank`` of ``world`` (default:
+    the plan's world, `Plan.world`), sorted by issue stage."""
     L = plan.num_layers
     if len(sizes.layers) != L:
         raise ValueError(f"sizes has {len(sizes.layers)} layers but the plan has {L}.")
+    world = plan.world if world is None else world
+    if not 0 <= rank < world.world_size:
+        raise ValueError(f"rank={rank} is not a rank of a world of {world.world_size} (0..{world.world_size - 1}).")
     out: list[Transfer] = []
     tail = 2 * L + 1
     on_nvme = set(plan.state_nvme)
+    multi = world.world_size > 1
+    owner = unit_owners_of(plan, sizes, world) if multi else {}
 
     def unit_of(layer: int | None) -> UnitBytes | None:
         if layer is None:
             return None
         return sizes.embed if layer == -1 else sizes.head if layer == L else sizes.layers[layer]
+
+    def owned(layer: int | None) -> bool:
+        """This rank holds the unit's training state (every unit with one rank)."""
+        return not multi or owner.get(layer, -1) == rank
 
     def add(lane: str, what: str, layer: int | None, n: int, stage: int, per_step: bool = False) -> None:
         if not n:
@@ -131,6 +179,10 @@ def step_transfers(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: in
         if layer in on_nvme and lane == "h2d" and what.startswith("fetch"):
             out.append(Transfer("nvme_read", what, layer, int(n), stage, per_step))  # the compute copy from NVMe
         out.append(Transfer(lane, what, layer, int(n), stage, per_step))
+        if multi and lane == "d2h" and what == "grad" and layer is not None and owner.get(layer, -1) not in (-1, rank):
+            # the owner accumulates this rank's gradient: sent when the unit's backward is complete
+            out.append(Transfer("net", "reduce", layer, 4 * unit_of(layer).train_elems, stage, peer=owner[layer]))
+            return
         if layer in on_nvme and lane == "d2h" and what == "grad":
             u = unit_of(layer)
             out.append(Transfer("nvme_write", "grad", layer, u.grad_file, stage))
@@ -182,8 +234,15 @@ def step_transfers(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: in
     add("h2d", "upload", None, sizes.resident_upload, tail, per_step=True)
     for k in sorted(on_nvme):
         u = unit_of(k)
-        add("nvme_read", "state", k, u.state_read, tail, per_step=True)
-        add("nvme_write", "state", k, u.state_write, tail, per_step=True)
+        if owned(k):  # the unit's state file is its owner's
+            add("nvme_read", "state", k, u.state_read, tail, per_step=True)
+            add("nvme_write", "state", k, u.state_write, tail, per_step=True)
+    if multi:
+        node = world.node_of(rank)
+        for k in unit_order(L, plan.stream_embeddings):
+            o = owner.get(k, -1)
+            if gather_receiver(world, o, node) == rank and unit_of(k).weight:
+                out.append(Transfer("net", "gather", k, int(unit_of(k).weight), tail, per_step=True, peer=o))
     # Note: [Transfers of a stage in the executor's order]: within a stage the executor issues the embedding's
     # fetch first (its pre-forward hook), then the plan's issue schedule, ordered by the stage that needs each
     # transfer (`Plan.issue_schedule`), then what the stage's compute fetches itself (block recomputation, the head)
@@ -212,12 +271,25 @@ def _issue_rank(t: Transfer, L: int, fetch_stage: dict[tuple[str, int], int], pl
     return (2,)
 
 
-def bytes_per_step(plan: Plan, sizes: StepBytes, gradient_accumulation_steps: int = 1) -> dict[str, int]:
-    """Bytes per lane of one optimizer step of ``gradient_accumulation_steps`` micro-batches (`LANES` keys)."""
+def step_lanes(world: World) -> tuple[str, ...]:
+    """The lanes a step's byte counts have in ``world``: `LANES`, without ``net`` for a single rank."""
+    return LANES if world.world_size > 1 else tuple(lane for lane in LANES if lane != "net")
+
+
+def bytes_per_step(
+    plan: Plan,
+    sizes: StepBytes,
+    gradient_accumulation_steps: int = 1,
+    world: World | None = None,
+    rank: int = 0,
+) -> dict[str, int]:
+    """Bytes per lane of one optimizer step of ``gradient_accumulation_steps`` micro-batches on rank ``rank`` of
+    ``world`` (default: the plan's world): `step_lanes` keys, so ``net`` only in a world of several ranks."""
     if gradient_accumulation_steps < 1:
         raise ValueError(f"gradient_accumulation_steps={gradient_accumulation_steps} must be >= 1.")
-    total = {lane: 0 for lane in LANES}
-    for t in step_transfers(plan, sizes, gradient_accumulation_steps):
+    world = plan.world if world is None else world
+    total = {lane: 0 for lane in step_lanes(world)}
+    for t in step_transfers(plan, sizes, gradient_accumulation_steps, world, rank):
         total[t.lane] += t.nbytes * (1 if t.per_step else gradient_accumulation_steps)
     return total
 
@@ -232,9 +304,19 @@ def sizes_from_cost_model(cm: Any, stream_embeddings: bool = False) -> StepBytes
         if i in getattr(cm, "state_nvme", ()):
             g, r, w = cm.state_io_bytes(i)
             state = {"grad_file": g, "state_read": r, "state_write": w}
-        layers.append(UnitBytes(lc.weight_bytes, lc.grad_bytes, lc.saved_bytes, lc.input_bytes, **state))
-    embed = UnitBytes(cm.embed_bytes, cm.embed_grad_bytes)
-    head = UnitBytes(cm.head_bytes, cm.head_grad_bytes)
+        layers.append(
+            UnitBytes(
+                lc.weight_bytes,
+                lc.grad_bytes,
+                lc.saved_bytes,
+                lc.input_bytes,
+                train_elems=lc.params,
+                trainable=lc.params,
+                **state,
+            )
+        )
+    embed = UnitBytes(cm.embed_bytes, cm.embed_grad_bytes, train_elems=cm.embed_params, trainable=cm.embed_params)
+    head = UnitBytes(cm.head_bytes, cm.head_grad_bytes, train_elems=cm.head_params, trainable=cm.head_params)
     if stream_embeddings:
         return StepBytes(layers=layers, embed=embed, head=head, tied=not cm.head_bytes)
     return StepBytes(
@@ -309,7 +391,16 @@ def sizes_from_model(
             saved = saved_activation_bytes(config, i, "keep", B, T, db, attn_implementation=attn)
         inp = B * T * int(config.hidden_size) * db
         units.append(
-            UnitBytes(lay.compute_bytes if s_params else 0, grad, saved, inp, reloaded, **state_terms(i, tensors, lay))
+            UnitBytes(
+                lay.compute_bytes if s_params else 0,
+                grad,
+                saved,
+                inp,
+                reloaded,
+                train_elems=lay.train_elems if s_params else 0,
+                trainable=sum(n for n, _, t in tensors if t),
+                **state_terms(i, tensors, lay),
+            )
         )
         uploads.append(lay.compute_bytes if s_params and grad else 0)
     embed_mod, norm_mod, head_mod = models.embed_tokens(inner), models.final_norm(inner), models.lm_head(inner)
@@ -326,7 +417,13 @@ def sizes_from_model(
             tensors = [(p.numel(), p.dtype, p.requires_grad) for p in ps]
             lay = layer_layout(tensors, compute_dtype)
             g = sum(p.numel() * cdt(p).itemsize for p in ps if p.requires_grad)
-            return UnitBytes(lay.compute_bytes, g, **state_terms(key, tensors, lay))
+            return UnitBytes(
+                lay.compute_bytes,
+                g,
+                train_elems=lay.train_elems,
+                trainable=sum(n for n, _, t in tensors if t),
+                **state_terms(key, tensors, lay),
+            )
 
         embed, head = unit(embed_params, -1), unit(head_params, len(layers_mod))
         streamed.update(id(p) for p in embed_params + head_params)

@@ -17,6 +17,12 @@ what it depends on has finished:
 - the CPU optimizer starts once backward ended and every gradient is on the host (the global norm), updates the
   parameters that are not streamed first, then the units in order, each followed by its upload (resident slots);
   with ``optimizer_overlap`` the next step starts at once, else after the last update and upload.
+- a data-parallel world (``plan.world_size`` > 1, `lazytrain_hf.planner.worldcost`): one rank is replayed with
+  its own transfers (`step_transfers` of that rank); its ``reduce`` of a unit follows the unit's D2H gradient on the
+  ``net`` lane; the optimizer starts once every unit's gradients have reached its owner (`NetTimes.reduce_arrival`)
+  and updates the rank's own units at its share of the node's rate; a unit another rank owns is ready when its owner
+  has updated it (`NetTimes.finish_times`), after the ``gather`` of its compute copy when the owner is on another
+  node (on this rank's ``net`` lane when this rank receives it). The step of the world is its slowest rank's.
 - On a profile with ``serial_lanes`` (the CPU device: copies are memcpy on the cores that compute) every transfer
   and the optimizer run on the compute lane, and the next step starts after the optimizer step.
 
@@ -31,10 +37,12 @@ from typing import Any
 
 from .costmodel import CostModel
 from .plan import Plan
-from .schedule import sizes_from_cost_model, step_transfers
+from .schedule import sizes_from_cost_model, step_transfers, unit_owners_of
+from .world import optimizer_rate_per_rank
+from .worldcost import NetTimes
 
-LANES = ("compute", "h2d", "d2h", "nvme", "cpu")
-_LANE_OF = {"h2d": "h2d", "d2h": "d2h", "nvme_read": "nvme", "nvme_write": "nvme"}
+LANES = ("compute", "h2d", "d2h", "nvme", "cpu", "net")
+_LANE_OF = {"h2d": "h2d", "d2h": "d2h", "nvme_read": "nvme", "nvme_write": "nvme", "net": "net"}
 
 
 @dataclass
@@ -114,11 +122,23 @@ def _label(what: str, layer: int | None, L: int) -> str:
         "grad": f"grad {name}",
         "upload": f"upload {name}",
         "state": f"state {name}",
+        "reduce": f"reduce {name}",
+        "gather": f"gather {name}",
     }[what]
 
 
-def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
-    """Replay ``plan`` on ``cost_model``'s hardware for ``steps`` steps (>= 2) and measure the steady state."""
+def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None = None) -> SimResult:
+    """Replay ``plan`` on ``cost_model``'s hardware for ``steps`` steps (>= 2) and measure the steady state, on rank
+    ``rank`` of the plan's world (None: every rank, the slowest one's result)."""
+    world = plan.world
+    if rank is None:
+        if world.world_size == 1:
+            return simulate(plan, cost_model, steps, 0)
+        return max(
+            (simulate(plan, cost_model, steps, r) for r in range(world.world_size)), key=lambda x: x.step_time_s
+        )
+    if not 0 <= rank < world.world_size:
+        raise ValueError(f"rank={rank} is not a rank of the plan's world (0..{world.world_size - 1}).")
     cm = cost_model
     L = cm.num_layers
     plan.validate(L)
@@ -128,7 +148,26 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
         raise ValueError(f"steps={steps} must be >= 2 (the step time is a period between two steps).")
     serial = bool(getattr(cm, "serial_lanes", False))
     bw = {"h2d": cm.h2d, "d2h": cm.d2h, "nvme_read": cm.nvme_r, "nvme_write": cm.nvme_w}
-    transfers = step_transfers(plan, sizes_from_cost_model(cm, plan.stream_embeddings))
+    sizes = sizes_from_cost_model(cm, plan.stream_embeddings)
+    transfers = step_transfers(plan, sizes, world=world, rank=rank)
+    # ---- the data-parallel world (worldcost.py): reduces leave after their unit's D2H gradient, owners update
+    multi = world.world_size > 1
+    owners = unit_owners_of(plan, sizes, world) if multi else {}
+    units = {i: u for i, u in enumerate(sizes.layers)}
+    if plan.stream_embeddings:
+        units.update({-1: sizes.embed, L: sizes.head})
+    net = NetTimes(
+        cm,
+        world,
+        rank,
+        owners,
+        {k: u.train_elems for k, u in units.items()},
+        {k: u.weight for k, u in units.items()},
+        plan.stream_embeddings,
+    )
+    reduces = {t.layer: t for t in transfers if t.what == "reduce"}
+    gathers = {t.layer: t for t in transfers if t.what == "gather"}
+    transfers = [t for t in transfers if t.lane != "net"]
     issued: dict[int, list] = {}
     after_compute: dict[tuple[int, str], list] = {}  # transfers that start when a compute ends
     per_step = [t for t in transfers if t.per_step]
@@ -157,7 +196,20 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
 
     def move(t, ready: float) -> tuple[float, float]:
         lane = "compute" if serial else _LANE_OF[t.lane]
-        return lanes.run(lane, ready, t.nbytes / bw[t.lane], _label(t.what, t.layer, L))
+        rate = net.bandwidth(t.peer) if t.lane == "net" else bw[t.lane]
+        return lanes.run(lane, ready, t.nbytes / rate, _label(t.what, t.layer, L))
+
+    arrived: dict[int, float] = {}  # per unit: its gradients from every rank are at its owner
+
+    def reduce_after(key: int, ready: float) -> None:
+        """Send this rank's gradient of unit ``key`` to its owner once it is on the host (``ready``)."""
+        if not multi or owners.get(key, -1) < 0:
+            return
+        if key in reduces:
+            start, _ = move(reduces[key], ready)
+        else:  # this rank owns it: its peers send it when their earlier reduces are out, as this rank would
+            start = max([ready] + [e for _, e in lanes.busy["net"]])
+        arrived[key] = net.reduce_arrival(key, start)
 
     def held(i: int) -> int:
         """Device bytes layer i leaves after its forward until its backward (or its offload)."""
@@ -229,6 +281,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
                     _, ge = move(tr, end)
                     done[("grad", L)] = ge
                     grads_down = max(grads_down, ge)
+                    reduce_after(L, ge)
                 free(max(end, grads_down), cm.head_grad_bytes)
                 t = end
                 continue
@@ -262,12 +315,14 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
             for tr in after_compute.get((i, "B"), []):
                 _, g_end = move(tr, end)
                 done[("grad", i)] = g_end
+                reduce_after(i, g_end)
             free(g_end, lc.grad_bytes)
             grads_down = max(grads_down, g_end)
             t = end
         for tr in after_compute.get((-1, "emb"), []):
             _, ge = move(tr, t)
             grads_down = max(grads_down, ge)
+            reduce_after(-1, ge)
         # ---- optimizer step: once every gradient is on the host (the global norm), in the updater's order
         b_end = t
         b0_end.append(b_end)
@@ -276,8 +331,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
         for tr in res_grad:
             _, ge = move(tr, b_end)
             grads_down = max(grads_down, ge)
-        tc = max(b_end, grads_down)
-        rate = cm.hardware.cpu_optimizer_params_per_s
+        tc = max(b_end, grads_down, *arrived.values())  # the global norm needs every unit's reduced gradient
+        rate = optimizer_rate_per_rank(cm.hardware.cpu_optimizer_params_per_s, world)
         opt_lane = "compute" if serial else "cpu"  # serial lanes: the optimizer runs on the cores that compute
         res_params = 0 if plan.stream_embeddings else cm.embed_params + cm.head_params
         _, tc = lanes.run(opt_lane, tc, res_params / rate, "opt resident")
@@ -288,8 +343,23 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3) -> SimResult:
                 opt["resident"] = ue
         order = ([-1] if plan.stream_embeddings else []) + list(range(L)) + ([L] if plan.stream_embeddings else [])
         last = tc
+        finish = net.finish_times(tc) if multi else {}
         for key in order:
             n = cm.embed_params if key == -1 else cm.head_params if key == L else cm.layers[key].params
+            if multi and owners.get(key, -1) not in (-1, rank):  # another rank updates it (worldcost.py)
+                ready = finish[key]
+                if key in gathers:
+                    _, ready = move(gathers[key], ready)
+                elif world.node_of(owners[key]) != world.node_of(rank):
+                    ready += net.gather_s(key)  # another rank of this node receives it
+                opt[key] = ready
+                last = max(last, ready)
+                for tr in per_step:
+                    if tr.what == "upload" and tr.layer == key:
+                        _, ue = move(tr, ready)
+                        opt[("upload", key)] = ue
+                        last = max(last, ue)
+                continue
             start = tc
             _, tc = lanes.run(opt_lane, tc, n / rate, f"opt {key}")
             for tr in per_step:
@@ -354,11 +424,13 @@ def draw_timeline(result: SimResult, path: str, title: str = "") -> str:
 
     t0, t1 = result.window
     colors = {"compute": "tab:blue", "h2d": "tab:green", "d2h": "tab:orange", "nvme": "tab:purple", "cpu": "tab:red"}
+    colors["net"] = "tab:brown"
+    shown = [lane for lane in LANES if lane != "net" or result.lanes.get("net")]  # net: a data-parallel world
     fig, (ax, axm) = plt.subplots(2, 1, figsize=(12, 5), sharex=True, gridspec_kw={"height_ratios": [3, 2]})
-    for row, lane in enumerate(LANES):
+    for row, lane in enumerate(shown):
         bars = [(max(s, t0) - t0, min(e, t1) - max(s, t0)) for s, e, _ in result.lanes.get(lane, [])]
         ax.broken_barh(bars, (row - 0.4, 0.8), facecolors=colors[lane], edgecolor="white", linewidth=0.3)
-    ax.set_yticks(range(len(LANES)), LANES)
+    ax.set_yticks(range(len(shown)), shown)
     ax.invert_yaxis()
     ax.set_title(
         title

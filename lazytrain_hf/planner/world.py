@@ -66,3 +66,37 @@ def unit_owners(trainable_elems: list[int], world_size: int) -> list[int]:
         load[r] += int(n)
         out.append(r)
     return out
+
+
+def unit_order(num_layers: int, stream_embeddings: bool) -> list[int]:
+    """The streamed units in the order their training state is dealt (`unit_owners`), by host-store key: the
+    embedding unit (``-1``) when it is streamed, decoder layers ``0..L-1``, the head unit (``L``) when streamed."""
+    return ([-1] if stream_embeddings else []) + list(range(num_layers)) + ([num_layers] if stream_embeddings else [])
+
+
+def owners_by_key(
+    train_elems: dict[int, int], num_layers: int, stream_embeddings: bool, world_size: int
+) -> dict[int, int]:
+    """``{unit key: owner rank}`` (``-1``: nothing to train) for the trainable elements of each streamed unit (the
+    elements of its fp32 gradient accumulator, `lazytrain_hf.planner.layouts.LayerLayout.train_elems`), dealt in
+    `unit_order` by `unit_owners`. A key missing from ``train_elems`` has no trainable element."""
+    keys = unit_order(num_layers, stream_embeddings)
+    return dict(zip(keys, unit_owners([int(train_elems.get(k, 0)) for k in keys], world_size)))
+
+
+def gather_receiver(world: World, owner: int, node: int) -> int:
+    """The rank of ``node`` that receives, after each optimizer step, the compute copy of a unit ``owner`` updated
+    on another node (and writes it into the node's shared compute copy): the rank with the owner's local rank, so the
+    gathers of a node are spread over its ranks as the units are. ``-1`` when ``owner`` is on ``node`` itself (the
+    owner writes the node's copy in its fused pass) or owns nothing."""
+    if owner < 0 or world.node_of(owner) == node:
+        return -1
+    return node * world.local_world_size + world.local_rank(owner)
+
+
+def optimizer_rate_per_rank(params_per_s: float, world: World) -> float:
+    """Parameters per second of one rank's CPU optimizer: the hardware profile's ``cpu_optimizer_params_per_s`` is
+    the whole node's (all cores, bound by its memory bandwidth), shared by the node's ranks as they update their
+    units at the same time. A step's optimizer work is divided by ``world_size`` (each rank updates its own units),
+    its rate by the ranks per node: more nodes make the step shorter, more ranks on one node do not make it longer."""
+    return params_per_s / world.local_world_size

@@ -88,6 +88,7 @@ import queue
 import threading
 import warnings
 from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -111,7 +112,9 @@ class Slot:
     pooled: bool = True
     transient: bool = False  # allocated for one fetch and freed by `release` (embeddings, final norm, lm_head)
     owner: int | None = None  # layer currently bound to (or being fetched into) this slot
-    ready: Any = None  # the lane event of the last copy into the slot; see Note: [Compute waits for the H2D event]
+    # the lane event of the last copy into the slot, or the `ReadThenCopy` of a fetch whose read is queued; see Note:
+    # [Compute waits for the H2D event]
+    ready: Any = None
     released: Any = None  # see Note: [Slot reuse waits for the compute event]
     compute_open: bool = False  # bound by the compute side and not released since (no copy into it allowed)
 
@@ -197,14 +200,15 @@ class TransferEngine:
             The buffer comes from the caching allocator on the compute stream, so its memory may have just been
             freed by compute kernels still queued. ``slot.released`` is recorded on the compute stream at
             allocation, and the H2D copy waits for it like a reused slot (Note: [Slot reuse waits for the compute
-            event]); the buffer is marked as used by the H2D stream, so freeing it in `release` (on the compute
-            stream, after the compute waited for ``slot.ready``) cannot hand its memory out before the copy ran.
+            event]); the buffer is marked as used by the H2D stream as its copy is issued (`_h2d`; by the reader
+            thread for a fetch from NVMe, whose copy `release` waits to be issued), so freeing it in `release` (on
+            the compute stream, after the compute waited for ``slot.ready``) cannot hand its memory out before the
+            copy ran.
         """
         slot = self._new_slot(kind, _align256(nbytes), False)
         slot.transient = True
         if self.is_async:
             slot.released = self.lanes.compute_event()
-            self.lanes["h2d"].hold(slot.buffer)
         return slot
 
     def acquire(self, kind: str, urgent: bool) -> Slot | None:
@@ -228,6 +232,10 @@ class TransferEngine:
 
     def release(self, slot: Slot) -> None:
         """Hand a slot back to the pool. See Note: [Slot reuse waits for the compute event]."""
+        if self.is_async:
+            # a fetch never used: its copy is issued before the slot's next copy, or its buffer's free (Note: [A
+            # fetch from NVMe is read off the step's threads] in nvmestate.py)
+            self._issued(slot, "a fetch from NVMe released before its read landed", strict=False)
         self.mark_released(slot)
         slot.owner = None
         if slot.transient:
@@ -255,10 +263,7 @@ class TransferEngine:
         return sum(s.nbytes for s in self.by_ptr.values())
 
     # ------------------------------------------------------------------ H2D
-    def copy_in(self, slot: Slot, src_bytes: torch.Tensor, layer: int, what: str = "fetch") -> None:
-        """Copy a layer's compute copy (uint8 host buffer) into ``slot`` (``what``: ``fetch``, or ``upload`` of a
-        resident layer after its update)."""
-        n = src_bytes.numel()
+    def _check_copy_in(self, slot: Slot, n: int, layer: int) -> None:
         if n > slot.nbytes:
             raise RuntimeError(f"layer {layer} needs {n} bytes but its {slot.kind!r} slot has {slot.nbytes}.")
         if slot.compute_open:
@@ -273,19 +278,75 @@ class TransferEngine:
                 "the compute stream (slot.released is None); its memory may still be in use by queued kernels. See "
                 "Note: [Slot reuse waits for the compute event] in lazytrain_hf/streaming/engine.py."
             )
+
+    def _start_copy_in(self, slot: Slot, n: int, layer: int, what: str) -> None:
         slot.owner = layer
         self.fetch_count += 1
         self.fetch_bytes += n
         self.trace.transfer("h2d", n, "uint8", layer, what)
+
+    def copy_in(self, slot: Slot, src_bytes: torch.Tensor, layer: int, what: str = "fetch") -> None:
+        """Copy a layer's compute copy (uint8 host buffer) into ``slot`` (``what``: ``fetch``, or ``upload`` of a
+        resident layer after its update)."""
+        n = src_bytes.numel()
+        self._check_copy_in(slot, n, layer)
+        self._start_copy_in(slot, n, layer, what)
         dst = slot.buffer.narrow(0, 0, n)
         if not self.is_async:
             dst.copy_(src_bytes)
             return
-        # Note: [Slot reuse waits for the compute event]
-        slot.ready = self.lanes["h2d"].copy(dst, src_bytes, after=(slot.released,))
+        slot.ready = self._h2d(slot, dst, src_bytes)
         # Note: [Host compute copy is not rewritten while a fetch reads it]; the optimizer thread uploads too
         with self._host_read_lock:
             self._host_read[layer] = slot.ready
+
+    def copy_in_from_read(
+        self, slot: Slot, nbytes: int, layer: int, submit: Callable[[Callable[[torch.Tensor], Any]], Future]
+    ) -> None:
+        """Fetch into ``slot`` a compute copy of ``nbytes`` that a background reader has yet to read (a unit whose
+        state is on NVMe; asynchronous engines only): ``submit(issue)`` queues the read and returns its Future; the
+        reader calls ``issue(window)`` once the window holds the bytes, which issues the window's H2D copy and
+        returns its event (the Future's result). Nothing here waits: the slot's readiness covers the read and the
+        copy (`wait_ready`). See Note: [A fetch from NVMe is read off the step's threads] in nvmestate.py."""
+        if not self.is_async:
+            raise RuntimeError("copy_in_from_read needs an asynchronous engine; read first and use copy_in.")
+        self._check_copy_in(slot, nbytes, layer)
+        dst = slot.buffer.narrow(0, 0, nbytes)
+        if self.simulated:
+            poison_(dst)  # from the fetch on, as a lane copy does when issued (Note: [Simulated copies poison ...])
+        released = slot.released
+
+        def issue(window: torch.Tensor) -> Any:  # on the reader thread
+            return self._h2d(slot, dst, window.narrow(0, 0, nbytes), released)
+
+        slot.ready = ReadThenCopy(submit(issue))
+        self._start_copy_in(slot, nbytes, layer, "fetch")
+        with self._host_read_lock:
+            self._host_read[layer] = slot.ready
+
+    def _h2d(self, slot: Slot, dst: torch.Tensor, src: torch.Tensor, released: Any = None) -> Any:
+        """Issue the copy into ``slot`` on the H2D lane after ``released`` (the slot's release when the copy was
+        asked for; Note: [Slot reuse waits for the compute event]); its event."""
+        lane = self.lanes["h2d"]
+        if slot.transient:
+            lane.hold(slot.buffer)  # Note: [Transient slots are stream-ordered allocations]
+        return lane.copy(dst, src, after=(slot.released if released is None else released,))
+
+    def _issued(self, slot: Slot, why: str, strict: bool = True) -> Any:
+        """The lane event of the slot's last copy, once a `ReadThenCopy` fetch issued it (a host sync on the step's
+        threads when its read has not landed yet: ``why``). ``strict``: re-raise the read's error; else the slot's
+        copy is None (nothing was copied)."""
+        ready = slot.ready
+        if isinstance(ready, ReadThenCopy):
+            if not ready.future.done() and on_step_path():
+                self.trace.host_sync(why)
+            try:
+                slot.ready = ready.future.result()
+            except Exception:
+                if strict:
+                    raise
+                slot.ready = None
+        return slot.ready
 
     def wait_ready(self, slot: Slot) -> None:
         """Make the compute stream wait for the slot's fetch before it uses the slot. See Note: [Compute waits for
@@ -293,7 +354,8 @@ class TransferEngine:
         slot.compute_open = True
         self.trace.waited(slot.owner, "fetch")
         if self.is_async:
-            self.lanes.compute_wait(slot.ready)
+            # Note: [A fetch from NVMe is read off the step's threads] in nvmestate.py
+            self.lanes.compute_wait(self._issued(slot, "a fetch waits for its read from NVMe"))
 
     def wait_host_reads(self, layer: int) -> None:
         """Block until no fetch reads the host compute copy of ``layer``.
@@ -424,6 +486,35 @@ class TransferEngine:
         self.by_ptr.clear()
         with self._host_read_lock:
             self._host_read.clear()
+
+
+class ReadThenCopy:
+    """The readiness of a slot whose fetch a background reader completes (`TransferEngine.copy_in_from_read`): the
+    reader's job (``future``), whose result is the lane event of the H2D copy it issued once its read landed. Answers
+    `query` / `synchronize` as a lane event does (`wait_host_reads`, `synchronize`); the compute side takes the
+    copy's event from it (`TransferEngine.wait_ready`). Note: [A fetch from NVMe is read off the step's threads] in
+    nvmestate.py."""
+
+    __slots__ = ("future",)
+
+    def __init__(self, future: Future):
+        self.future = future
+
+    def query(self) -> bool:
+        if not self.future.done():
+            return False
+        if self.future.exception() is not None:
+            return True  # nothing was copied
+        ev = self.future.result()
+        return ev is None or ev.query()
+
+    def synchronize(self) -> None:
+        ev = self.future.result()
+        if ev is not None:
+            ev.synchronize()
+
+    def __repr__(self) -> str:
+        return f"ReadThenCopy(issued={self.future.done()})"
 
 
 def _align256(n: int) -> int:

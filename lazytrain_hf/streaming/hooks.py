@@ -192,6 +192,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 block_size=int(state_nvme.get("block_size", 256)),
                 min_8bit_size=int(state_nvme.get("min_8bit_size", 4096)),
                 pin_memory=pin,
+                simulated=self.engine.simulated,
             )
             wanted = set(plan.state_nvme)
             if self.store.owned is not None:

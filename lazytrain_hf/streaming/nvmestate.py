@@ -5,7 +5,8 @@ training state in host RAM between uses. `NvmeState` owns one file per such unit
 ``state_nvme_dir``:
 
 - ``compute``: the compute copy, laid out as the host store lays it out (`store.layer_layout`), the source of every
-  weight fetch: a fetch reads it into a host window, then the window is copied to the device slot as usual;
+  weight fetch: a fetch reads it into a host window on the reader thread, which then issues the window's copy to
+  the device slot (Note: [A fetch from NVMe is read off the step's threads]);
 - ``grad``: the fp32 gradient accumulator (store layout). A completed backward's gradients land in a host window
   (`open_grad`; with gradient accumulation the window first reads the accumulated gradient), their norm is taken
   there, and the window is written back (`close_grad`);
@@ -44,6 +45,25 @@ Note: [The state on NVMe commits per optimizer step]
     process that is gone is removed by the next run in the same ``state_nvme_dir``. Tests:
     ``tests/test_state_nvme.py::test_kill_during_write_back`` and ``::test_disk_full_during_write_back``.
 
+Note: [A fetch from NVMe is read off the step's threads]
+    A fetch of a unit on NVMe (`TransferEngine.copy_in_from_read`, from the scheduler's fetch path) only queues the
+    read of the unit's compute copy on the reader thread and returns: the training thread (or the autograd thread,
+    in backward) never waits for the disk when it issues a fetch, so a prefetch issued stages ahead overlaps
+    compute. The reader reads into one of `STATE_FETCH_WINDOWS` registered fetch windows (`statewindows.FetchWindows`),
+    then issues the window's H2D copy into the slot itself, ordered after the slot's release (Note: [Slot reuse waits
+    for the compute event] in engine.py); the window is handed out again only once that copy completed (the reader
+    waits for it when every window is in flight, never the step's threads). The slot's readiness is the reader's
+    job and then its copy's event: `wait_ready` waits for the job (a host sync only when the read has not landed
+    yet, counted in the trace) and makes the compute stream wait for the copy (Note: [Compute waits for the H2D
+    event]); `release` of a slot whose fetch was never used waits for the job too, so the slot's next copy (or the
+    free of a transient slot's buffer) follows this one. Under the simulation the reader's jobs are delayed and
+    stall like every background worker's (``state-read``; Note: [Every background worker stalls for longer than a
+    forward] in lazytrain_hf/streams.py). The reader and writer are daemon threads started with the state (Note:
+    [Spill I/O threads never block exit] in activations/nvme.py). Tests:
+    ``tests/test_cuda_semantics_host.py::test_state_nvme_fetch_is_read_off_the_training_thread`` (no read of a
+    compute copy on the step's threads, gradients bit-exact), ``::test_state_nvme_fetch_windows_are_bounded``,
+    ``::test_state_nvme_fetch_read_stalls_are_waited_for`` and ``::test_state_nvme_fetch_read_error_reaches_the_step``.
+
 I/O moves whole `IO_ALIGN` blocks between aligned host windows and aligned file offsets with ``O_DIRECT`` (the page
 cache is never used, so the host footprint is the windows'), or, on filesystems that refuse ``O_DIRECT``, with
 ``fdatasync`` + ``posix_fadvise(DONTNEED)`` (Note: [Spilled bytes leave RAM] in activations/nvme.py). Every read and
@@ -59,26 +79,28 @@ import os
 import re
 import shutil
 import tempfile
-import threading
 import weakref
-from collections import deque
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 
 from ..activations import nvme as _io
+from ..activations.nvme import IOThreads
 from ..activations.tiers import round_up
 from ..optim.quant import dynamic_lookup, num_blocks
 from ..planner import layouts
 from ..planner.layouts import IO_ALIGN, state_file_bytes  # noqa: F401 (re-exported)
+from ..streams import SimDelay
+from ..threads import background_worker
 from ..units import format_bytes
 
 # read_committed and update_bytes are public names of this module too (planner, tests and benchmarks import them here)
 from .statefiles import MANIFEST, gather_scales, read_committed, update_bytes  # noqa: F401
 from .statelayout import StateNvmeError, StateParam, StateUnit, aligned_empty, poison, poisoned_like, rebind
 from .stateupdate import ChunkedUpdate
-from .statewindows import WindowPool
+from .statewindows import FetchWindows, WindowPool
 
 BUILD_WINDOW = 64 << 20  # bytes of the window a unit's state is written through when it is moved to its file
 _DIR_PREFIX = "lazytrain-state_"
@@ -96,11 +118,13 @@ class NvmeState(ChunkedUpdate):
             ``"fadvise"``.
         pin_memory: the fetch and gradient windows, which lanes copy from and to, are registered
             (`lazytrain_hf.streaming.statewindows`; `streams.pin_host_memory`).
+        simulated: the executor runs on the simulated lanes: the reader's fetch jobs are delayed like every simulated
+            worker's (Note: [A fetch from NVMe is read off the step's threads]).
     """
 
     def __init__(
         self, root: str, trace, block_size: int = 256, min_8bit_size: int = 4096, io_mode: str = "auto",
-        pin_memory: bool = False,
+        pin_memory: bool = False, simulated: bool = False,
     ):  # fmt: skip
         root = _io.check_dir(root, "state_nvme_dir")
         if block_size & (block_size - 1) or not 16 <= block_size <= 4096:
@@ -120,12 +144,12 @@ class NvmeState(ChunkedUpdate):
         self.io_reason = "O_DIRECT with 4096-byte aligned buffers, offsets and sizes" if self.direct else why
         self.units: dict[int, StateUnit] = {}
         self.step = 0
-        self._reader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-r")
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lazytrain-state-w")
-        self._held: deque = deque()  # (event, window or its PinnedBlock) of copies still reading a fetch window
-        self._windows = WindowPool(pin_memory, IO_ALIGN)  # registered fetch and gradient windows
-        self._leased: dict[int, Any] = {}  # address -> PinnedBlock of fetch windows handed out, before `hold`
-        self._lock = threading.Lock()
+        # daemon threads started now (Note: [Spill I/O threads never block exit] in activations/nvme.py)
+        self._reader = IOThreads(1, "lazytrain-state-r")
+        self._writer = IOThreads(1, "lazytrain-state-w")
+        self._windows = WindowPool(pin_memory, IO_ALIGN)  # registered gradient windows
+        self.fetch_windows = FetchWindows(pin_memory, IO_ALIGN)  # Note: [A fetch from NVMe is read off the ...]
+        self._read_delay = SimDelay("state-read") if simulated else None
         self._source = None  # the DiskSource of parameters left on disk by remove() (`leave_on_disk`)
         self._in_pass = False  # an optimizer pass wrote some unit since the last commit (it failed if it stays so)
         self._handed_over = False
@@ -276,42 +300,39 @@ class NvmeState(ChunkedUpdate):
         self._write_manifest()
 
     # ------------------------------------------------------------------ weight fetches
-    def read_compute(self, key: int, what: str = "fetch") -> torch.Tensor:
-        """The unit's compute copy read into a host window (uint8, its ``compute_bytes``): a registered one from the
-        pool when pinned (the fetch copies it asynchronously; `hold` hands it back), else a fresh aligned one."""
+    def fetch(self, key: int, issue: Callable[[torch.Tensor], Any]) -> Future:
+        """Queue the read of unit ``key``'s compute copy on the reader thread and return at once (Note: [A fetch from
+        NVMe is read off the step's threads]). Once the read landed in a fetch window, the reader calls
+        ``issue(window)`` (uint8, the unit's ``compute_bytes``), which issues the window's copy and returns the copy's
+        event; the window is reused only after that event. The Future's result is that event (or the read's error)."""
         u = self.units[key]
-        if not self._windows.pin:
-            return self._compute_window(key, what)[: u.compute_bytes]
-        self._reap_held(block=False)
-        block = self._windows.get(u.compute_bytes)
-        self.trace.transfer("nvme_read", u.compute_bytes, "uint8", key, what)
-        self._pread(u, block.tensor, u.compute_bytes, 0)
-        win = block.tensor[: u.compute_bytes]
-        with self._lock:
-            self._leased[win.data_ptr()] = block
-        return win
+        self.trace.transfer("nvme_read", u.compute_bytes, "uint8", key, "fetch")  # issued now, in this stage
+        return self._reader.submit(self._fetch_job, u, issue)
+
+    def _fetch_job(self, u: StateUnit, issue: Callable[[torch.Tensor], Any]) -> Any:
+        with background_worker():  # its waits (a window's last copy) do not stall the step
+            if self._read_delay is not None:
+                self._read_delay.sleep()
+            block = self.fetch_windows.get(u.compute_bytes)
+            ev = None
+            try:
+                self._pread(u, block.tensor, u.compute_bytes, 0)
+                ev = issue(block.tensor[: u.compute_bytes])
+            finally:
+                self.fetch_windows.put(block, ev)  # reused once the copy read it (or now, when none was issued)
+            return ev
+
+    def read_compute(self, key: int, what: str = "fetch") -> torch.Tensor:
+        """The unit's compute copy read now, on the calling thread, into a fresh aligned host window (uint8, its
+        ``compute_bytes``): the synchronous CPU engine's fetch, whose copy is synchronous too."""
+        return self._compute_window(key, what)[: self.units[key].compute_bytes]
 
     def _compute_window(self, key: int, what: str) -> torch.Tensor:
         u = self.units[key]
-        self._reap_held(block=False)
         win = aligned_empty(u.compute_bytes)
         self.trace.transfer("nvme_read", u.compute_bytes, "uint8", key, what)
         self._pread(u, win, u.compute_bytes, 0)
         return win
-
-    def hold(self, event: Any, window: torch.Tensor) -> None:
-        """Keep ``window`` alive until the asynchronous copy reading it (``event``) completed."""
-        with self._lock:
-            self._held.append((event, self._leased.pop(window.data_ptr(), window)))
-
-    def _reap_held(self, block: bool) -> None:
-        with self._lock:
-            while self._held and (block or self._held[0][0] is None or self._held[0][0].query()):
-                ev, win = self._held.popleft()
-                if ev is not None and block:
-                    ev.synchronize()
-                if not isinstance(win, torch.Tensor):
-                    self._windows.put(win)  # a pooled window: its copy read it
 
     # ------------------------------------------------------------------ gradients
     def open_grad(self, key: int, ls, accumulate: bool, defer_read: bool = False) -> Any:
@@ -357,8 +378,8 @@ class NvmeState(ChunkedUpdate):
             self._windows.put(block)
 
     def window_bytes(self) -> int:
-        """Bytes of the registered windows (`statewindows.WindowPool`), free or in use."""
-        return self._windows.allocated_bytes
+        """Bytes of the registered windows (`statewindows.WindowPool`, `FetchWindows`), free or in use."""
+        return self._windows.allocated_bytes + self.fetch_windows.allocated_bytes
 
     def read_grads(self, key: int, ls) -> dict[str, torch.Tensor]:
         """Copies of the unit's accumulated gradients read from its file (the public gradient API)."""
@@ -559,19 +580,21 @@ class NvmeState(ChunkedUpdate):
     def release(self) -> None:
         """The executor is removed: close everything unless parameters were left on disk (`leave_on_disk`), whose
         source then owns the files."""
-        self._reap_held(block=True)
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
+        self._stop_io()
         if not self._handed_over:
             self.close()
 
     # ------------------------------------------------------------------ lifetime
+    def _stop_io(self) -> None:
+        """Finish the queued reads and writes, stop the I/O threads (idempotent) and release the fetch windows once
+        their copies completed."""
+        self._reader.shutdown()
+        self._writer.shutdown()
+        self.fetch_windows.clear()
+
     def close(self) -> None:
         """Close the files and remove the private directory."""
-        self._reap_held(block=True)
-        self._reader.shutdown(wait=True)
-        self._writer.shutdown(wait=True)
-        self._leased.clear()
+        self._stop_io()
         self._windows.clear()
         for u in self.units.values():
             if u.fd >= 0:

@@ -49,11 +49,14 @@ class FetchScheduler:
             return False
         spill = self.nvme_state
         if spill is not None and i in spill.units:
-            # the compute copy is read from NVMe into a host window first (lazytrain_hf.streaming.nvmestate)
-            src = spill.read_compute(i)
-            self.engine.copy_in(slot, src, i)
+            # the compute copy is read from NVMe into a host window first: on the state's reader thread, which then
+            # issues the H2D copy (Note: [A fetch from NVMe is read off the step's threads] in nvmestate.py)
             if self.engine.is_async:
-                spill.hold(slot.ready, src)  # the window lives until the copy read it
+                self.engine.copy_in_from_read(
+                    slot, spill.units[i].compute_bytes, i, lambda issue: spill.fetch(i, issue)
+                )
+            else:
+                self.engine.copy_in(slot, spill.read_compute(i), i)
         else:
             self.engine.copy_in(slot, st.store.compute_bytes, i)
         st.slot = slot

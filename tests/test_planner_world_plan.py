@@ -1,0 +1,241 @@
+"""The plan knows its data-parallel world (Note: [The training state is partitioned by unit]): host footprint per
+rank and per node, the ``net`` lane's ``reduce`` / ``gather`` bytes per rank, the world in the plan file, the
+simulator's step and the MILP's optimizer times."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+
+import pytest
+
+from lazytrain_hf.planner import hostmem, milp, schedule, stages
+from lazytrain_hf.planner.costmodel import CostModel
+from lazytrain_hf.planner.hardware import get_profile
+from lazytrain_hf.planner.plan import Plan, PlanError
+from lazytrain_hf.planner.schedule import StepBytes, UnitBytes
+from lazytrain_hf.planner.simulate import simulate
+from lazytrain_hf.planner.world import World, gather_receiver, unit_order
+from lazytrain_hf.planner.worldcost import for_world
+from lazytrain_hf.planner.zoo import get_config
+
+
+# ---------------------------------------------------------------------------------------------- host footprint
+@pytest.mark.parametrize("ranks", [1, 2, 4])
+def test_node_footprint_is_one_shared_copy_plus_partitioned_state_plus_per_rank_terms(ranks):
+    cm = CostModel.from_config(get_config("qwen2.5-7b"), "h800", 1024, 1)
+    layers, emb, head = [lc.params for lc in cm.layers], cm.embed_params, cm.head_params
+    one = hostmem.counts_footprint(layers, emb, head, cm.dtype_bytes)
+    wf = hostmem.counts_world_footprint(layers, emb, head, cm.dtype_bytes, World(ranks, 1))
+    assert len(wf.ranks) == ranks
+    # the resident embedding and head, which every rank updates: fp32 master, gradient copy, 8-bit state
+    res_master = res_grad = 4 * (emb + head)
+    res_opt = hostmem.optimizer_state_bytes([emb, head])
+    if ranks == 1:
+        assert wf.ranks[0] == one and wf.shared == 0 and wf.node_total(0) == one.total
+        return
+    # ONE compute copy per node, in shared memory, not in any rank's total
+    assert wf.shared == one.compute and all(fp.compute == 0 and fp.shared == one.compute for fp in wf.ranks)
+    # masters, gradient accumulators and optimizer state of the streamed layers sum to one copy over the ranks
+    assert sum(fp.grads for fp in wf.ranks) == one.grads
+    assert sum(fp.masters for fp in wf.ranks) == one.masters + (ranks - 1) * res_master
+    assert sum(fp.optimizer for fp in wf.ranks) == one.optimizer + (ranks - 1) * res_opt
+    assert all(fp.resident == one.resident == res_grad for fp in wf.ranks)
+    # every rank stages at most two units' fp32 gradients for the owners (equal layers: two layers)
+    assert all(fp.reduce_staging == 2 * 4 * layers[0] for fp in wf.ranks)
+    for fp in wf.ranks:
+        assert (fp.staging, fp.activations, fp.checkpoint) == (one.staging, one.activations, one.checkpoint)
+    # one rank's total, plus each further rank's replicated terms, plus every rank's reduce staging
+    replicated = res_master + res_opt + res_grad + one.staging
+    assert wf.node_total(0) == one.total + (ranks - 1) * replicated + ranks * 2 * 4 * layers[0]
+    assert wf.node_total(0) == wf.shared + sum(fp.total for fp in wf.ranks)
+    # each further rank adds a fifth of one rank's state (the resident embedding and head of Qwen2.5-7B, 1.1B
+    # parameters, are most of it), not a copy of it
+    assert wf.node_total(0) < one.total * (1 + 0.2 * (ranks - 1))
+
+
+def test_two_nodes_each_hold_a_shared_copy_and_their_ranks_units():
+    cm = CostModel.from_config(get_config("qwen2.5-7b"), "h800", 1024, 1)
+    layers = [lc.params for lc in cm.layers]
+    one = hostmem.counts_footprint(layers, cm.embed_params, cm.head_params, cm.dtype_bytes)
+    wf = hostmem.counts_world_footprint(layers, cm.embed_params, cm.head_params, cm.dtype_bytes, World(4, 2))
+    assert [len(wf.node_ranks(n)) for n in range(2)] == [2, 2]
+    assert sum(fp.grads for fp in wf.ranks) == one.grads  # one copy of the state in the whole world
+    for n in range(2):
+        assert wf.node_total(n) == wf.shared + sum(fp.total for fp in wf.node_ranks(n))
+    assert wf.total == max(wf.node_total(0), wf.node_total(1))
+
+
+def test_units_of_a_model_and_state_files_are_the_owners():
+    """A real model's units (`units_of_model`): each rank's state files hold its own units only, every streamed
+    unit's gradient accumulator is on exactly one rank, and the per-rank budget leaves the node's state to it."""
+    from conftest import tiny_model
+
+    model = tiny_model("qwen3", num_hidden_layers=4)
+    plan = Plan.default(4, stream_embeddings=True, state_nvme=[0, 1, 2, 3])
+    units = hostmem.units_of_model(model, plan)
+    kw = dict(state_nvme=frozenset(plan.state_nvme), gradient_accumulation_steps=2)
+    one = hostmem.host_footprint(units, **kw)
+    wf = hostmem.world_footprint(units, World(2, 1), **kw)
+    assert sum(fp.nvme_state for fp in wf.ranks) == one.nvme_state > 0
+    assert sum(fp.grads for fp in wf.ranks) == one.grads > 0  # the embedding and head units, in RAM
+    owners = hostmem.unit_owner_map(units, World(2, 1))
+    assert sorted(owners) == [-1, 0, 1, 2, 3, 4] and set(owners.values()) == {0, 1}
+    # the schedule deals the same owners from its byte counts (trainable numels, not the padded accumulators)
+    plan2 = dataclasses.replace(plan, world_size=2)
+    assert schedule.unit_owners_of(plan2, schedule.sizes_from_model(model, plan2)) == owners
+    # rank_activation_budget: what the node's shared copy and the ranks' other terms leave, split over its ranks
+    budget = wf.node_peak(0) + 10_000
+    assert hostmem.rank_activation_budget(budget, wf) == 5_000
+    assert hostmem.rank_activation_budget(budget, one) == budget - max(one.total, one.save_peak)
+
+
+# ---------------------------------------------------------------------------------------------- bytes per rank
+def tiny_sizes(L: int = 4) -> StepBytes:
+    return StepBytes(layers=[UnitBytes(weight=100, grad=50, train_elems=25, trainable=20) for _ in range(L)])
+
+
+def test_bytes_per_rank_by_hand():
+    """4 equal layers on 2 ranks on 2 nodes: owners [0, 1, 0, 1]. Rank 0 sends layers 1 and 3 (4 x 25 B each,
+    every micro-batch) and receives their compute copies (100 B each, once per step) for its node."""
+    plan = Plan.default(4, world_size=2, nodes=2)
+    sizes = tiny_sizes()
+    single = schedule.bytes_per_step(plan, sizes, 2, world=World(1, 1))
+    assert "net" not in single
+    for rank in (0, 1):
+        got = schedule.bytes_per_step(plan, sizes, 2, rank=rank)
+        assert got == {**single, "net": 2 * 2 * 4 * 25 + 2 * 100}, rank
+    tr = [t for t in schedule.step_transfers(plan, sizes, 2, rank=0) if t.lane == "net"]
+    assert [(t.what, t.layer, t.nbytes, t.stage, t.per_step, t.peer) for t in tr] == [
+        ("reduce", 3, 100, 2 * 4 - 3, False, 1),
+        ("reduce", 1, 100, 2 * 4 - 1, False, 1),
+        ("gather", 1, 100, 2 * 4 + 1, True, 1),
+        ("gather", 3, 100, 2 * 4 + 1, True, 1),
+    ]
+
+
+def test_gathers_go_to_the_rank_with_the_owners_local_rank():
+    """4 ranks on 2 nodes, 4 layers: owners [0, 1, 2, 3]; rank 0 (node 0, local rank 0) receives the unit of rank 2
+    (node 1, local rank 0), rank 1 that of rank 3; the ranks of one node send each other their gradients too."""
+    world = World(4, 2)
+    assert [gather_receiver(world, o, 0) for o in range(4)] == [-1, -1, 0, 1]
+    assert [gather_receiver(world, o, 1) for o in range(4)] == [2, 3, -1, -1]
+    plan = Plan.default(4, world_size=4, nodes=2)
+    net = [t for t in schedule.step_transfers(plan, tiny_sizes(), rank=0) if t.lane == "net"]
+    assert sorted((t.what, t.layer) for t in net) == [("gather", 2), ("reduce", 1), ("reduce", 2), ("reduce", 3)]
+    # one node: no gathers, the shared copy is written by the owner
+    plan1 = Plan.default(4, world_size=4, nodes=1)
+    assert schedule.bytes_per_step(plan1, tiny_sizes(), rank=0)["net"] == 3 * 4 * 25
+
+
+def test_state_on_nvme_is_read_and_written_by_its_owner_only():
+    L = 2
+    u = UnitBytes(weight=100, grad=50, train_elems=25, trainable=20, grad_file=100, state_read=300, state_write=200)
+    sizes = StepBytes(layers=[u] * L)
+    plan = Plan.default(L, state_nvme=[0, 1], world_size=2)
+    one = schedule.bytes_per_step(plan, sizes, 2, world=World(1, 1))
+    r0 = schedule.bytes_per_step(plan, sizes, 2, rank=0)  # owns layer 0
+    # layer 1's state I/O (grad file written each micro-batch, read back once; state read / written) is rank 1's
+    assert r0["nvme_write"] == one["nvme_write"] - (2 * 100 + 200)
+    assert r0["nvme_read"] == one["nvme_read"] - (100 + 300)
+    assert r0["net"] == 2 * 4 * 25
+    with pytest.raises(ValueError, match="rank=2"):
+        schedule.bytes_per_step(plan, sizes, rank=2)
+
+
+def test_unit_order_is_the_embedding_layers_head():
+    assert unit_order(3, True) == [-1, 0, 1, 2, 3]
+    assert unit_order(3, False) == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------- plan file
+def test_plan_json_round_trip_with_world_and_old_files_load(tmp_path):
+    plan = Plan.default(3, world_size=8, nodes=2)
+    back = Plan.from_json(plan.to_json())
+    assert (back.world_size, back.nodes) == (8, 2) and back.world == World(8, 2)
+    assert "world_size=8 nodes=2" in back.table()
+    old = plan.to_dict()
+    del old["world_size"], old["nodes"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    loaded = Plan.from_json(str(tmp_path / "old.json"))
+    assert (loaded.world_size, loaded.nodes) == (1, 1) and "world_size" not in loaded.table()
+    for bad in (dict(world_size=0), dict(nodes=0), dict(world_size=3, nodes=2), dict(world_size=2.0)):
+        with pytest.raises(PlanError, match="world_size|nodes"):
+            Plan.from_dict({**plan.to_dict(), **bad})
+
+
+# ---------------------------------------------------------------------------------------------- simulator, MILP
+def optimizer_bound_model() -> CostModel:
+    hw = dataclasses.replace(get_profile("h800"), cpu_optimizer_params_per_s=2e8, net_gbps=400.0, shm_gbps=400.0)
+    return CostModel.from_config(get_config("qwen2.5-1.5b"), hw, 1024, 4)
+
+
+def test_simulated_step_shrinks_with_the_ranks_when_the_optimizer_dominates():
+    """One rank per node: each updates 1/N of the layers at the node's whole optimizer rate. The stage model with
+    the world's optimizer times (`for_world`, what the MILP plans with) agrees with the replay."""
+    cm = optimizer_bound_model()
+    steps = {}
+    for n in (1, 2, 4):
+        plan = Plan.default(cm.num_layers, world_size=n, nodes=n)
+        sim = simulate(plan, cm)
+        steps[n] = sim.step_time_s
+        ev = stages.evaluate_plan(plan, for_world(cm, plan.world))
+        assert abs(ev.step_time_s - sim.step_time_s) <= 0.05 * sim.step_time_s, (n, ev.step_time_s, sim.step_time_s)
+        if n > 1:
+            assert sim.lanes["net"], "the reduces and gathers are replayed on the net lane"
+    assert steps[1] > steps[2] > steps[4] and steps[4] < 0.5 * steps[1], steps
+
+
+def test_ranks_of_one_node_share_its_optimizer_rate():
+    """Four ranks on one node each update a quarter of the layers at a quarter of the node's rate, and the
+    resident embedding (every rank updates it) four times: the step is not shorter than one rank's."""
+    cm = optimizer_bound_model()
+    one = simulate(Plan.default(cm.num_layers), cm).step_time_s
+    four = simulate(Plan.default(cm.num_layers, world_size=4, nodes=1), cm).step_time_s
+    assert four >= one
+
+
+def test_slow_network_makes_the_reduces_the_step():
+    """The same world with the default 5 GB/s between nodes: the rank's net lane (fp32 reduces every micro-batch)
+    lasts longer than the compute, and the simulated step says so."""
+    cm = CostModel.from_config(get_config("qwen2.5-1.5b"), "h800", 1024, 4)
+    plan = Plan.default(cm.num_layers, world_size=2, nodes=2)
+    sim = simulate(plan, cm)
+    net_s = sum(e - s for s, e, _ in sim.lanes["net"])
+    compute_s = sum(e - s for s, e, _ in sim.lanes["compute"])
+    assert net_s > compute_s and sim.step_time_s >= net_s * 0.99
+
+
+def test_plan_for_model_records_the_world():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = milp.plan_for_model(
+            "qwen2.5-1.5b", "h800", 1024, micro_batch_size=2, solver="cbc", time_limit=20, world=World(4, 2)
+        )
+    assert (plan.world_size, plan.nodes) == (4, 2)
+    assert plan.predicted["bytes_per_step"]["net"] > 0
+    assert Plan.from_json(plan.to_json()).world == World(4, 2)
+
+
+def test_world_cost_model_keeps_its_world_across_batches():
+    cm = optimizer_bound_model()
+    assert for_world(cm, World(1, 1)) is cm and for_world(cm, None) is cm
+    wcm = for_world(cm, World(4, 4))
+    assert wcm.with_batch(4).world == World(4, 4) and wcm.with_state_nvme([0]).world == World(4, 4)
+    # four ranks on four nodes each update a quarter of the layers at a node's whole rate: the layers' updates
+    # take a quarter of the time (the gathers on a fast network add little)
+    (e1, c1, _), (e4, c4, _) = stages.optimizer_finish_times(cm), stages.optimizer_finish_times(wcm)
+    assert c4[-1] - e4 < 0.3 * (c1[-1] - e1)
+
+
+def test_profiles_without_network_figures_load_and_bad_ones_are_refused(tmp_path):
+    from lazytrain_hf.planner.hardware import HardwareProfile
+
+    d = get_profile("h800").to_dict()
+    assert d["net_gbps"] == 5.0 and d["shm_gbps"] == 10.0 and get_profile("cpu").shm_gbps == 19.0
+    old = {k: v for k, v in d.items() if k not in ("net_gbps", "shm_gbps")}
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert HardwareProfile.from_json(str(tmp_path / "old.json")).net_gbps == 5.0
+    with pytest.raises(ValueError, match="net_gbps=0"):
+        HardwareProfile.from_dict({**d, "net_gbps": 0})
