@@ -216,11 +216,8 @@ class PartitionedDataParallel:
         shared = handle.store.shared_compute[unit]
         spill = handle.nvme_state
         if spill is not None and unit in spill.units:
-            src = spill.read_compute(unit, "node copy")  # the new compute copy lives in the unit's file
-            try:
-                shared.copy_(src)
-            finally:
-                spill.hold(None, src)
+            # the new compute copy lives in the unit's file; read into a fresh window (NvmeState.read_compute)
+            shared.copy_(spill.read_compute(unit, "node copy"))
         self.node_copy.publish(self._index[unit], self.versions[unit])
         if self.local_groups:
             group = self.local_groups[self.world.local_rank(self.rank)]
