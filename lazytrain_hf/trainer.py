@@ -43,6 +43,7 @@ from .training import (
     contract,
     dataparallel,
     optimizer_groups,
+    partitions,
     planning,
     saved_weights,
     user_access,
@@ -93,6 +94,7 @@ class LazyTrainer(Trainer):
         self._previous_optimizer: torch.optim.Optimizer | None = None
         self._prebuilt_optimizer: torch.optim.Optimizer | None = None  # Note: [create_optimizer() before train()]
         self._dp: dataparallel.PartitionedDataParallel | None = None  # data parallel: the state partitioned by unit
+        self._partitions: partitions.PartitionCheckpoints | None = None  # and its checkpoints
         self._legacy_group_names: list[list[str]] | None = None  # Note: [Optimizer state is matched by parameter name]
         self._longer_batch_seen = False  # Note: [The plan is made for the longest batch] (warned once for a plan file)
         # Notes: [Callbacks see the updated weights], [In-place edits of weights are folded into the masters]
@@ -116,7 +118,7 @@ class LazyTrainer(Trainer):
         contract.check_given_optimizer(self.optimizer)
         checkpoint = checkpoints.resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         if self.args.world_size > 1:
-            dataparallel.check_partitioned_args(self.args, checkpoint)
+            partitions.check_partitioned_args(self.args, self.model)
         self.check_host_memory(None)  # the model's own state, before a warm-up or a solve allocates anything
         plan = None
         if checkpoint is not None:
@@ -179,11 +181,17 @@ class LazyTrainer(Trainer):
             self.stream_handle.last_micro_batch = lambda: self.accelerator.sync_gradients
             if self._dp is not None:  # Note: [The training state is partitioned by unit] (dataparallel.py)
                 self._dp.bind(self.stream_handle)
+                self._partitions = partitions.PartitionCheckpoints(self.stream_handle, self._dp)
             self.model_init = None  # Trainer.train() would build another model than the one streamed
             result = super().train(resume_from_checkpoint=checkpoint, trial=trial, **kwargs)
             if self._dp is not None and self._updater is not None:
                 self._dp.gather_masters(self.stream_handle, self._updater)  # before remove() gives them back
+        except Exception as e:
+            if self._partitions is not None:
+                self._partitions.check_error(e)  # Note: [A failed rank is named] in training/partitions.py
+            raise
         finally:
+            self._partitions = None
             self.model_init = model_init
             with contextlib.suppress(AttributeError):
                 del self.model._is_accelerate_prepared
@@ -348,6 +356,9 @@ class LazyTrainer(Trainer):
         by_name = optimizer_groups.load_by_name(
             self.optimizer, checkpoint, self.stream_handle is not None, self._legacy_group_names, written_streamed
         )
+        # Note: [A checkpoint of a partitioned state] in training/partition_files.py: any world size
+        if self._dp is not None or partitions.is_partitioned(checkpoint):
+            by_name = partitions.load_by_name(self.optimizer, checkpoint)
         try:
             with by_name:
                 super()._load_optimizer_and_scheduler(checkpoint)
@@ -611,35 +622,20 @@ class LazyTrainer(Trainer):
 
     # ------------------------------------------------------------------ saving
     def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
-        if self._dp is not None:  # a rank holds its own units' training state only
-            raise ValueError(dataparallel.partitioned_save_error(self.args))
         if self._updater is not None:
             self._updater.wait_all()  # weights of every layer updated before they are written
         output_dir = output_dir if output_dir is not None else self.args.output_dir
-        spill = self.stream_handle.nvme_state if self.stream_handle is not None else None
-        on_disk = self.stream_handle is None and weights_on_disk(self.model)  # e.g. units left on NVMe by train()
-        if (
-            (self.stream_handle is not None or on_disk)
-            and state_dict is None
-            and checkpoints.streams_weights(self.model)
-        ):
+        streamed = self.stream_handle is not None or weights_on_disk(self.model)  # e.g. units left on NVMe by train()
+        if streamed and state_dict is None and checkpoints.streams_weights(self.model):
             # Note: [Checkpoints are streamed from the host store] in training/checkpoints.py: streamed parameters
             # point at their host copy while unbound, so the weights are written from it layer by layer, never
-            # gathered on the device nor copied whole; the rest as Trainer._save writes it
-            if self.args.should_save:
-                from transformers.trainer import TRAINING_ARGS_NAME
+            # gathered on the device nor copied whole; the rest as Trainer._save writes it. With the state
+            # partitioned, every rank takes part (Note: [A checkpoint of a partitioned state])
+            from transformers.trainer import TRAINING_ARGS_NAME
 
-                # units whose state is on NVMe are read from their state files, one at a time
-                checkpoints.save_streamed(
-                    self.model,
-                    output_dir,
-                    read=spill.read_values if spill is not None else None,
-                    overrides=saved_weights.cast_overrides(self.stream_handle),
-                )
-                tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(output_dir)
-                torch.save(self.args, os.path.join(output_dir, TRAINING_ARGS_NAME))
+            tokenizer = self.processing_class or getattr(self.data_collator, "tokenizer", None)
+            parts, handle = self._partitions, self.stream_handle
+            partitions.save_weights(self.model, output_dir, self.args, TRAINING_ARGS_NAME, handle, tokenizer, parts)
         else:
             super()._save(output_dir, state_dict=state_dict)
         if self.args.should_save and self.lazy_plan is not None:
@@ -650,19 +646,23 @@ class LazyTrainer(Trainer):
         when complete (Note: [Atomic checkpoints] in training/checkpoints.py)."""
         run_dir = self._get_output_dir(trial=trial)
         final = os.path.join(run_dir, f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
-        staging_root = checkpoints.staging_dir(run_dir)
-        if self.args.should_save:
+        parts = self._partitions  # Note: [A checkpoint of a partitioned state] in training/partition_files.py
+        staging_root = parts.shared_staging(run_dir) if parts is not None else checkpoints.staging_dir(run_dir)
+        if self.args.should_save and parts is None:
             checkpoints.remove_stale_staging(run_dir)
         original = self._get_output_dir
         self._get_output_dir = lambda trial=None: staging_root  # super() writes staging_root/checkpoint-N
         try:
-            super()._save_checkpoint(model, trial)
+            with parts.resident_optimizer_only(self._updater) if parts is not None else contextlib.nullcontext():
+                super()._save_checkpoint(model, trial)
         finally:
             self._get_output_dir = original
+        if parts is not None:
+            parts.complete(staging_root, final, self._updater)  # every rank's partition, then published
+        elif self.args.should_save:  # fp32 masters, state on NVMe, renamed into place (Note: [Atomic checkpoints])
+            checkpoints.complete_checkpoint(staging_root, final, self.stream_handle, self._updater)
         if not self.args.should_save:
             return
-        # fp32 masters and the state on NVMe added, renamed into place (Note: [Atomic checkpoints])
-        checkpoints.complete_checkpoint(staging_root, final, self.stream_handle, self._updater)
         if self.state.best_model_checkpoint and self.state.best_model_checkpoint.startswith(staging_root):
             self.state.best_model_checkpoint = final
         from transformers.trainer_utils import rotate_checkpoints

@@ -5,8 +5,6 @@ tests/test_trainer_ddp.py (several processes)."""
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-
 import pytest
 import torch
 from conftest import tiny_model
@@ -93,13 +91,3 @@ def test_gradients_handed_to_the_owner_reduce_are_the_device_gradients(stream_em
         assert handle.trace.current["bytes"]["net"] == sum(4 * want[i].numel() for i in remote)
     finally:
         handle.remove()
-
-
-def test_partitioned_checkpoints_and_resume_are_refused():
-    args = SimpleNamespace(save_strategy="steps", world_size=2)
-    with pytest.raises(ValueError, match=r"save_strategy='steps'.*world_size=2.*set save_strategy='no'"):
-        dataparallel.check_partitioned_args(args, None)
-    args.save_strategy = "no"
-    dataparallel.check_partitioned_args(args, None)
-    with pytest.raises(ValueError, match=r"resume_from_checkpoint='out/checkpoint-2'.*world_size=2"):
-        dataparallel.check_partitioned_args(args, "out/checkpoint-2")

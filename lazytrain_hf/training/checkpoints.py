@@ -30,6 +30,7 @@ import torch
 from ..units import format_bytes
 from .masters import MASTER_FILE, restore_masters, separate_masters, unsaved_masters
 from .nvme_optimizer_state import NVME_STATE_FILE, restore_nvme_optimizer_state, write_nvme_optimizer_state
+from .partition_files import verify_partitions
 from .plan_files import PLAN_FILE, read_plan, write_plan
 from .resume_weights import check_weights_cover, checkpoint_error, load_checkpoint_weights
 from .safetensors_writer import SAFETENSORS_DTYPES, SafetensorsWriter, write_safetensors
@@ -106,13 +107,15 @@ def resolve_checkpoint(resume_from_checkpoint: str | bool | None, output_dir: st
 
 def verify_checkpoint(checkpoint_dir: str, model=None) -> None:
     """Open every file a resume reads (weights, optimizer, scheduler and RNG states, trainer state, plan) without
-    loading it into the model; a corrupted or truncated one raises ValueError naming the file. (`training_args.bin`
+    loading it into the model; a corrupted or truncated one raises ValueError naming the file, and so does a
+    missing partition of a checkpoint written by several ranks (`verify_partitions`). (`training_args.bin`
     is written by Trainer for reference only and never read back.) With ``model``, the weights must also cover every
     parameter and buffer it saves, once converted as a resume converts them (`check_weights_cover`)."""
     from safetensors import safe_open
 
     from ..planner.plan import Plan
 
+    optimizer_state = None
     for name in sorted(os.listdir(checkpoint_dir)):
         path = os.path.join(checkpoint_dir, name)
         try:
@@ -133,7 +136,9 @@ def verify_checkpoint(checkpoint_dir: str, model=None) -> None:
                 from transformers.trainer_pt_utils import safe_globals
 
                 with safe_globals():  # the numpy RNG types Trainer's rng_state.pth holds, as Trainer loads it
-                    torch.load(path, map_location="cpu", weights_only=True)
+                    loaded = torch.load(path, map_location="cpu", weights_only=True)
+                if name == "optimizer.pt" and isinstance(loaded, dict):
+                    optimizer_state = loaded
             elif name == PLAN_FILE:
                 Plan.from_json(path)
             elif name.endswith(".json"):
@@ -144,6 +149,8 @@ def verify_checkpoint(checkpoint_dir: str, model=None) -> None:
                 f"checkpoint file {path} is corrupted or truncated ({type(e).__name__}: {e}); resume from an "
                 f"earlier checkpoint-<N> directory or delete this one."
             ) from e
+    # Note: [A checkpoint of a partitioned state] in training/partition_files.py: every rank's partition is there
+    verify_partitions(checkpoint_dir, optimizer_state)
     if model is not None:
         check_weights_cover(checkpoint_dir, model)
 

@@ -20,6 +20,7 @@ Each runs on its own gloo group, created collectively here, so that no two threa
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import uuid
@@ -30,7 +31,7 @@ import torch
 from ..planner import hostmem
 from ..planner.layouts import ALIGN_BYTES, align_up, layer_layout
 from ..planner.world import World, unit_owners
-from ..streaming.nodecopy import NodeCopy
+from ..streaming.nodecopy import NodeCopy, dp_timeout_s
 
 
 def all_reduce_mean(grads: list[torch.Tensor], group: Any = None) -> None:
@@ -79,29 +80,6 @@ def node_copy_bytes(model: torch.nn.Module, plan, compute_dtype: torch.dtype | N
     return sum(align_up(layer_layout(u.tensors, compute_dtype).compute_bytes, ALIGN_BYTES) for u in units)
 
 
-def partitioned_save_error(args) -> str:
-    """Why a checkpoint (or a save while training) is refused with the training state partitioned across ranks."""
-    return (
-        f"save_strategy={str(getattr(args.save_strategy, 'value', args.save_strategy))!r} with data parallel over "
-        f"world_size={args.world_size} ranks: the training state (fp32 masters, 8-bit moments) is partitioned by "
-        "unit across the ranks and checkpoints of a partitioned state are not supported yet; set "
-        "save_strategy='no' (trainer.save_model() after train() writes the trained model) or train on one process."
-    )
-
-
-def check_partitioned_args(args, checkpoint: str | None) -> None:
-    """Refuse, before anything is planned, what a partitioned training state cannot do yet: checkpoints (each rank
-    holds its own units' masters and moments only) and resuming from one."""
-    if str(getattr(args.save_strategy, "value", args.save_strategy)) != "no":
-        raise ValueError(partitioned_save_error(args))
-    if checkpoint is not None:
-        raise ValueError(
-            f"resume_from_checkpoint={checkpoint!r} with data parallel over world_size={args.world_size} ranks: "
-            "resuming into a training state partitioned by unit is not supported yet; resume on one process, or "
-            "start without resume_from_checkpoint."
-        )
-
-
 class PartitionedDataParallel:
     """The collectives of a streamed run whose training state is partitioned by unit (see the module docstring), and
     the node's shared compute copy (Note: [The node's compute copy is shared by its ranks]).
@@ -134,16 +112,18 @@ class PartitionedDataParallel:
         self._index = {k: j for j, k in enumerate(self.unit_keys)}  # the node copy's version slot of each unit
         # one gloo group per thread that runs collectives: the executor's worker (gradient reduces), the updater's
         # thread (compute copies), the training thread (norms, setup); created in the same order on every rank
-        self.grad_group = dist.new_group(backend="gloo")
-        self.compute_group = dist.new_group(backend="gloo")
-        self.norm_group = dist.new_group(backend="gloo")
+        # Note: [A failed rank is named] (training/partitions.py): a collective blocked on a silent rank ends
+        timeout = datetime.timedelta(seconds=dp_timeout_s())
+        self.grad_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.compute_group = dist.new_group(backend="gloo", timeout=timeout)
+        self.norm_group = dist.new_group(backend="gloo", timeout=timeout)
         # across nodes: one group per local rank, its ranks on every node (units owned on another node arrive there)
         self.local_groups = []
         if self.world.nodes > 1:
             lw = self.world.local_world_size
             for lr in range(lw):
                 ranks = [n * lw + lr for n in range(self.world.nodes)]
-                self.local_groups.append(dist.new_group(ranks, backend="gloo"))
+                self.local_groups.append(dist.new_group(ranks, backend="gloo", timeout=timeout))
         run_id = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(run_id, src=0, group=self.norm_group)
         self.node_copy = NodeCopy(
@@ -201,10 +181,10 @@ class PartitionedDataParallel:
 
     def reduce_resident(self, handle) -> None:
         """The resident parameters' device gradients averaged over the ranks (once per optimizer step, before the
-        norm; on the default group, the training thread's): every rank then updates them identically."""
+        norm; on the training thread's group, ``norm_group``): every rank then updates them identically."""
         grads = [p.grad for _, p in handle.resident_parameters() if p.grad is not None]
         if grads:
-            all_reduce_mean(grads)
+            all_reduce_mean(grads, group=self.norm_group)  # the training thread's group, with its timeout
         self.resident_reductions += 1
 
     def global_grad_norm(self, handle) -> float:
@@ -236,11 +216,8 @@ class PartitionedDataParallel:
         shared = handle.store.shared_compute[unit]
         spill = handle.nvme_state
         if spill is not None and unit in spill.units:
-            src = spill.read_compute(unit, "node copy")  # the new compute copy lives in the unit's file
-            try:
-                shared.copy_(src)
-            finally:
-                spill.hold(None, src)
+            # the new compute copy lives in the unit's file; read into a fresh window (NvmeState.read_compute)
+            shared.copy_(spill.read_compute(unit, "node copy"))
         self.node_copy.publish(self._index[unit], self.versions[unit])
         if self.local_groups:
             group = self.local_groups[self.world.local_rank(self.rank)]

@@ -12,6 +12,7 @@ import os
 import torch
 
 from .lazytensor import LazyTensor
+from .partition_files import PartitionIndex
 
 MASTER_FILE = "lazytrain_master.safetensors"
 
@@ -59,16 +60,21 @@ def restore_masters(checkpoint: str | None, handle, updater, where: str, in_weig
     the weights file holds in their own dtype: Note: [A checkpoint holds the model in its own dtype]) are restored
     from the masters file only when it has them (a checkpoint written before)."""
     path = os.path.join(checkpoint, MASTER_FILE) if checkpoint else None
-    if path is None or not os.path.exists(path):
+    # Note: [A checkpoint of a partitioned state] in training/partition_files.py: the masters of units are in the
+    # partition of the rank that owned them
+    parts = PartitionIndex(checkpoint)
+    if path is None or (not os.path.exists(path) and not parts):
         return
     from safetensors.torch import load_file
 
-    saved = load_file(path)
+    saved = load_file(path) if os.path.exists(path) else {}
     targets = separate_masters(handle, updater, store=where == "store", resident=where == "resident")
     spill = getattr(handle, "nvme_state", None) if handle is not None else None
     units = {e.name: k for k, ls in handle.store.layers.items() for e in ls.entries} if spill is not None else {}
     with torch.no_grad():
         for name, dst in targets.items():
+            if name not in saved and parts.has_master(name):
+                saved[name] = parts.master(name)
             if name not in saved and name in in_weights:
                 continue  # loaded with the weights, in fp32
             if name not in saved or tuple(saved[name].shape) != tuple(dst.shape):

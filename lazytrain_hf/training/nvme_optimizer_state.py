@@ -94,7 +94,11 @@ def restore_nvme_optimizer_state(checkpoint: str | None, handle, updater, optimi
         steps = json.loads(meta.get("steps", "{}"))
         block = int(meta.get("block_size", 256))
         keys = set(f.keys())
+        # units another rank owns (Note: [A checkpoint of a partitioned state] in training/partition_files.py)
+        remote = {e.name for ls in handle.store.layers.values() if ls.remote for e in ls.entries}
         for name, step in steps.items():
+            if name in remote:
+                continue
             if name not in masters:
                 raise ValueError(
                     f"checkpoint file {path} holds optimizer state for {name!r}, which this model does not train "
