@@ -99,6 +99,15 @@ def test_each_rank_holds_and_updates_only_its_partition(tmp_path):
     assert single["net"] == [{}] * 3
     for s in ranks:
         assert s["net"] == [{"reduce": single["grad_bytes"] - s["grad_bytes"]}] * 3, s["net"]
+    # Note: [The trace is the planner's referee]: each rank's trace, every lane (net included), equals the bytes the
+    # plan predicts for that rank of its world (planner/schedule.py, world and rank), and the plan records the world
+    for r, s in enumerate([single, *ranks]):
+        plan = json.loads(((tmp_path / "single") if r == 0 else (tmp_path / "ddp")).joinpath(
+            f"rank{max(0, r - 1)}.plan.json").read_text())
+        assert (plan["world_size"], plan["nodes"]) == ((1, 1) if r == 0 else (2, 1))
+        predicted = plan["predicted"]["bytes_per_step"]
+        assert s["trace_bytes"] and all(b == predicted for b in s["trace_bytes"]), (s["trace_bytes"], predicted)
+        assert (predicted["net"] > 0) == (r > 0)
 
 
 def _match_one_process(

@@ -199,7 +199,13 @@ def predict_bytes(
         block_size=int(getattr(args, "optim_block_size", 256)),
         min_8bit_size=int(getattr(args, "optim_min_8bit_size", 4096)),
     )
-    out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)))
+    # the world this process runs in: the plan records it, and the bytes are this rank's (Note: [The training state
+    # is partitioned by unit] in planner/world.py; the trace of each rank shows its own reduces and gathers)
+    world_size = max(1, int(getattr(args, "world_size", 1) or 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) or world_size
+    plan.world_size, plan.nodes = world_size, max(1, world_size // local)
+    rank = int(getattr(args, "process_index", 0) or 0)
+    out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)), plan.world, rank)
     from ..streaming.trace import LANES
 
     for lane in LANES:  # every lane the trace records; one process moves nothing on ``net`` (data parallel)

@@ -125,6 +125,8 @@ def main() -> None:
                     if t["lane"] == "net":
                         kinds[t["what"]] = kinds.get(t["what"], 0) + t["bytes"]
                 stats["net"].append(kinds)
+            # Note: [The trace is the planner's referee]: every lane of every traced step, this rank's
+            stats["trace_bytes"] = [dict(step["bytes"]) for step in handle.trace.steps]
             if handle.nvme_state is not None:
                 stats["nvme_units"] = sorted(handle.nvme_state.units)
 
