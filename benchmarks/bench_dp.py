@@ -8,7 +8,9 @@ rank: ``OMP_NUM_THREADS=1``) of this file's ``--worker``, training the same rand
 (`bench_state_nvme.write_random_checkpoint`, loaded with `lazytrain_hf.from_pretrained`: the weights stay on disk
 until the host store reads them layer by layer) at the same global batch (``--global-batch`` sequences, split over
 the ranks) for ``--steps`` optimizer steps with the fixed ``planner_policy="default"`` plan (every decoder layer
-streamed), so that the configurations differ only in the number of ranks. ``--reps`` repeats the whole sweep,
+streamed) and ``stream_embeddings=True`` (the embedding and the head are streamed units too, so their training state
+is partitioned like a layer's; ``--resident-embeddings`` keeps them resident: every rank then holds and updates
+them), so that the configurations differ only in the number of ranks. ``--reps`` repeats the whole sweep,
 interleaved (1, 2, 4, 1, 2, 4, ...); the figures are medians over the repetitions.
 
 Per rank, the worker reports:
@@ -132,7 +134,7 @@ def worker(a) -> None:
         output_dir=os.path.join(a.out, f"run{world}"), per_device_train_batch_size=a.global_batch // world,
         max_steps=a.steps, learning_rate=1e-4, logging_steps=1, report_to=[], seed=0, data_seed=0, use_cpu=True,
         save_strategy="no", planner_hardware="cpu", planner_policy="default", planner_warmup_steps=1,
-        dataloader_drop_last=True, stream_trace_steps=2,
+        dataloader_drop_last=True, stream_trace_steps=2, stream_embeddings=not a.resident_embeddings,
     )
     trainer = LazyTrainer(model=model, args=args, train_dataset=data, callbacks=[Probe()])
     box["trainer"] = trainer
@@ -156,7 +158,7 @@ def launch(a, procs: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
            os.path.abspath(__file__), "--worker", "--checkpoint", a.checkpoint, "--out", a.out,
            "--global-batch", str(a.global_batch), "--steps", str(a.steps), "--seq", str(a.seq),
-           "--vocab", str(a.vocab)]
+           "--vocab", str(a.vocab)] + (["--resident-embeddings"] if a.resident_embeddings else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{procs} ranks failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -199,6 +201,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--global-batch", type=int, default=4)
     p.add_argument("--seq", type=int, default=128)
     p.add_argument("--vocab", type=int, default=None)
+    p.add_argument("--resident-embeddings", action="store_true",
+                   help="keep the embedding and head resident (replicated on every rank) instead of streamed units")
     p.add_argument("--tiny", action="store_true", help="a ~6M-parameter model of the same family")
     p.add_argument("--work", default=None, help="where the checkpoint and runs go (default: a temporary dir)")
     p.add_argument("--timeout", type=int, default=3600)

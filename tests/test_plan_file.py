@@ -112,7 +112,9 @@ def test_plan_written_by_the_cli_and_a_checkpoint_directory(tmp_path):
     tr.train()
     # executed as is; the bytes prediction of the cost model is replaced by the exact one for this model
     got, want = tr.lazy_plan.to_dict(), plan.to_dict()
-    assert set(want["predicted"]["bytes_per_step"]) == set(got["predicted"]["bytes_per_step"])
+    # the executor's prediction lists every lane its trace records: ``net`` (data parallel) is 0 on one process
+    assert set(want["predicted"]["bytes_per_step"]) | {"net"} == set(got["predicted"]["bytes_per_step"])
+    assert got["predicted"]["bytes_per_step"]["net"] == 0
     want["predicted"]["bytes_per_step"] = got["predicted"]["bytes_per_step"]
     assert got == want
 

@@ -134,6 +134,7 @@ def _match_one_process(
     return single, ranks
 
 
+@pytest.mark.slow
 def test_partitioned_state_on_nvme_matches_one_process(tmp_path):
     """The state on NVMe (state_nvme_dir, every unit): each rank's state files hold only the units it owns; losses
     and weights as one process at the global batch."""
@@ -144,6 +145,7 @@ def test_partitioned_state_on_nvme_matches_one_process(tmp_path):
         assert s["nvme_units"] == s["updated_units"], s  # its own units, all of them, on NVMe
 
 
+@pytest.mark.slow
 def test_partitioned_moe_with_streamed_embeddings_matches_one_process(tmp_path):
     """A MoE model (tiny qwen3_moe: experts no local token reached take part in the reduce with zeros) with the
     embedding and the head streamed as units (unit order: embedding, layers, head), gradient accumulation 2."""
@@ -155,6 +157,7 @@ def test_partitioned_moe_with_streamed_embeddings_matches_one_process(tmp_path):
         assert s["net"] == [{"reduce": 2 * (single["grad_bytes"] - s["grad_bytes"])}] * 3, s["net"]
 
 
+@pytest.mark.slow
 def test_partitioned_bf16_compute_copy_gives_every_rank_the_fp32_masters(tmp_path):
     """bf16=True on an fp32 model: the compute copy a rank receives for a unit it does not own is bf16, its fp32 master
     lives on the owner; after train() every rank's model holds every unit's fp32 master (gathered before the
