@@ -153,8 +153,8 @@ def test_trace_unit():
     trace.end_step()
     steps = trace.steps
     assert [s["bytes"] for s in steps] == [
-        {"h2d": 10, "d2h": 4, "nvme_read": 0, "nvme_write": 0},
-        {"h2d": 7, "d2h": 0, "nvme_read": 0, "nvme_write": 0},
+        {"h2d": 10, "d2h": 4, "nvme_read": 0, "nvme_write": 0, "net": 0},
+        {"h2d": 7, "d2h": 0, "nvme_read": 0, "nvme_write": 0, "net": 0},
     ]
     assert steps[0]["host_syncs"] == 1 and steps[1]["transfers"] == []  # details of the first keep_steps only
     with trace.paused():
