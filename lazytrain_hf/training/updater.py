@@ -83,8 +83,8 @@ class LayerwiseUpdater:
                 continue
             self.layers[i] = [(e.name, ls.master_views[e.name], ls.grad_views[e.name]) for e in ls.trainable_entries]
         # Note: [The node's compute copy is shared by its ranks] (training/dataparallel.py):
-        # units another rank updates; this rank waits for their new compute copy in the node copy (or receives it
-        # from another node), in unit order among its own updates
+        # units another rank updates: one owned on this node is awaited in the node copy at its next fetch
+        # (`_await_local`); one owned on another node is received in unit order among this rank's own updates
         self.data_parallel = data_parallel
         self.remote = [i for i, ls in sorted(handle.store.layers.items()) if ls.remote]
         if self.remote and data_parallel is None:
@@ -385,7 +385,7 @@ class LayerwiseUpdater:
         if i in self._local_pending:
             if not self.data_parallel.local_updated(i):
                 return False
-            self._await_local(i)  # published: returns at once (and refreshes a plan-resident unit's slot)
+            self._await_local(i)  # published: returns at once
         ev = self._events.get(i)
         return ev is None or ev.is_set()
 
