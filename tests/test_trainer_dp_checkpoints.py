@@ -255,6 +255,9 @@ def test_rank_killed_mid_step_leaves_the_previous_checkpoint(tmp_path):
     intact and resumes, no shared-memory segment of the run is left."""
     proc, run_dir = _killed_run(tmp_path, "mid-step")
     print(f"the survivor named rank 1 itself: {'rank 0: rank 1 died' in proc.stdout + proc.stderr}")
+    assert proc.returncode != 0
+    assert not (run_dir / "checkpoint-4").exists()
+    assert not list(run_dir.glob(".staging-*"))  # killed in the step: the save of step 4 never started
     _resume_after_fault(tmp_path, run_dir)
 
 
