@@ -20,7 +20,7 @@ This module never imports `transformers.Trainer`.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import torch
@@ -61,6 +61,19 @@ def load_by_name(
     state to its groups by parameter name (Note: [Optimizer state is matched by parameter name]). A no-op for an
     optimizer whose groups carry no names (not built by `decay_groups`). ``streamed``: this run streams;
     ``writer_streamed``: the run that wrote ``checkpoint`` did (its plan is beside the weights)."""
+    with mapped_load(
+        optimizer, checkpoint, lambda sd, gs: _by_name(sd, gs, checkpoint, streamed, legacy_names, writer_streamed)
+    ):
+        yield
+
+
+@contextlib.contextmanager
+def mapped_load(
+    optimizer: Any, checkpoint: str | None, mapping: Callable[[dict[str, Any], list[dict]], dict[str, Any]]
+) -> Iterator[None]:
+    """While inside, ``optimizer.load_state_dict(sd)`` (the optimizer inside an accelerate wrapper) loads
+    ``mapping(sd, groups)`` instead of ``sd``, ``groups`` being its parameter groups. A no-op without a checkpoint or
+    when the groups carry no names (an optimizer not built by `decay_groups`)."""
     inner = getattr(optimizer, "optimizer", optimizer)
     groups = getattr(inner, "param_groups", None)
     if checkpoint is None or not groups or not all("param_names" in g for g in groups):
@@ -69,7 +82,7 @@ def load_by_name(
     original = inner.load_state_dict
 
     def load(state_dict: dict[str, Any]) -> None:
-        return original(_by_name(state_dict, groups, checkpoint, streamed, legacy_names, writer_streamed))
+        return original(mapping(state_dict, groups))
 
     inner.load_state_dict = load
     try:

@@ -38,7 +38,7 @@ import torch
 from ..streaming.nodecopy import TIMEOUT_ENV, NodeCopyError, RankFailedError, dp_timeout_s
 from .lazytensor import LazyTensor
 from .masters import separate_masters
-from .optimizer_groups import OptimizerStateMismatch
+from .optimizer_groups import OptimizerStateMismatch, mapped_load
 from .partition_files import (
     LAYOUT_FORMAT,
     PARTITIONED_KEY,
@@ -397,22 +397,8 @@ def load_by_name(optimizer: Any, checkpoint: str | None):
     parameter of its groups by name, the state ``sd`` holds or else the state a partition of ``checkpoint`` holds
     (Note: [A checkpoint of a partitioned state]): resume at the same or another world size, or of a one-process
     checkpoint on several ranks (names ``sd`` has that this rank does not train are dropped)."""
-    inner = getattr(optimizer, "optimizer", optimizer)
-    groups = getattr(inner, "param_groups", None)
-    if checkpoint is None or not groups or not all("param_names" in g for g in groups):
+    with mapped_load(optimizer, checkpoint, lambda sd, gs: _merged(sd, gs, PartitionIndex(checkpoint), checkpoint)):
         yield
-        return
-    original = inner.load_state_dict
-    index = PartitionIndex(checkpoint)
-
-    def load(state_dict: dict[str, Any]) -> None:
-        return original(_merged(state_dict, groups, index, checkpoint))
-
-    inner.load_state_dict = load
-    try:
-        yield
-    finally:
-        del inner.load_state_dict
 
 
 def _merged(sd: dict[str, Any], groups: list[dict], index: PartitionIndex, checkpoint: str) -> dict[str, Any]:
