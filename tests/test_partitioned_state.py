@@ -25,12 +25,13 @@ def _plan(model, stream_embeddings: bool = False) -> Plan:
 
 
 def test_unit_owners_in_unit_order():
-    """Units in unit order (embedding, layers 0..L-1, head), dealt by trainable elements (planner/world.py)."""
+    """Units in unit order (embedding, layers 0..L-1, head), dealt largest first by trainable elements (planner/world.py)."""
     model = tiny_model("qwen3", seed=1)
     assert dataparallel.unit_owners_of(model, _plan(model), 2) == {0: 0, 1: 1, 2: 0, 3: 1}
     owners = dataparallel.unit_owners_of(model, _plan(model, stream_embeddings=True), 2)
     assert list(owners) == [-1, 0, 1, 2, 3, 4]
-    assert owners[-1] == 0 and owners[0] == 1  # the embedding (the largest unit) first, to rank 0
+    # largest first: the head (lm_head and the final norm) to rank 0, the embedding to rank 1, then the layers
+    assert owners == {-1: 1, 0: 0, 1: 1, 2: 0, 3: 1, 4: 0}
     assert dataparallel.unit_owners_of(model, _plan(model), 1) == {0: 0, 1: 0, 2: 0, 3: 0}
 
 

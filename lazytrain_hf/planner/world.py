@@ -9,10 +9,12 @@ partitions its state with the same ones, so a prediction is the executor's layou
 Note: [The training state is partitioned by unit]
     A unit (a decoder layer, the embedding or the head unit) is updated by one rank in one fused pass over its flat
     buffers: the optimizer's decay groups, the 8-bit blocks and a unit's state file are per unit, so partitioning by
-    unit needs no split parameter, block or file. Units go to ranks in layer order, each to the rank with the fewest
-    trainable elements so far (ties: the lowest rank), so equal decoder layers are dealt round-robin: every rank
-    updates a layer of the front of the model early, and the next forward can start while the back is updated.
-    Units with nothing to train have no owner (``-1``).
+    unit needs no split parameter, block or file. Units are dealt largest first (ties: in unit order), each to the
+    rank with the fewest trainable elements so far (ties: the lowest rank), so the ranks' optimizer work differs by
+    at most one unit's elements, and equal decoder layers are dealt round-robin in layer order: every rank updates a
+    layer of the front of the model early, and the next forward can start while the back is updated. Dealt in unit
+    order instead, a streamed embedding and head that are each ten layers' size left one rank the head and eleven
+    of twelve layers (twice the other's elements). Units with nothing to train have no owner (``-1``).
 """
 
 from __future__ import annotations
@@ -52,19 +54,18 @@ class World:
 
 def unit_owners(trainable_elems: list[int], world_size: int) -> list[int]:
     """The owner rank of each unit, given in unit order (Note: [The training state is partitioned by unit]):
-    each unit with trainable elements goes to the rank with the fewest so far (ties: the lowest rank); a unit with
-    none gets ``-1``."""
+    largest first, each unit with trainable elements goes to the rank with the fewest so far (ties: the lowest
+    rank); a unit with none gets ``-1``."""
     if world_size < 1:
         raise ValueError(f"world_size={world_size} must be >= 1.")
     load = [0] * world_size
-    out = []
-    for n in trainable_elems:
-        if n <= 0:
-            out.append(-1)
+    out = [-1] * len(trainable_elems)
+    for i in sorted(range(len(trainable_elems)), key=lambda i: (-int(trainable_elems[i]), i)):
+        if trainable_elems[i] <= 0:
             continue
         r = min(range(world_size), key=lambda k: (load[k], k))
-        load[r] += int(n)
-        out.append(r)
+        load[r] += int(trainable_elems[i])
+        out[i] = r
     return out
 
 
