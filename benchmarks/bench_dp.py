@@ -1,6 +1,6 @@
 """Data parallel on one node: host memory and CPU optimizer time of 1, 2 and 4 ranks training one model, side by side.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py                  # ~110M-parameter Qwen3, 1 / 2 / 4 ranks
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py                  # ~285M-parameter Qwen3, 1 / 2 / 4 ranks
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py --tiny --procs 1,2   # ~6M parameters, a minute
 
 Every configuration is a fresh `torch.distributed.run --standalone --nproc_per_node N` launch (gloo, one thread per
@@ -18,7 +18,11 @@ Per rank, the worker reports:
   by several processes (the node's shared compute copy) in each of them, PSS divides it among them, so the *sum over
   ranks* of peak PSS is what the node really holds; the summed figure is judged on PSS;
 - optimizer time per step: wall time of `LayerwiseUpdater.run` (synchronous on the CPU), median over the steps after
-  the first;
+  the first, and the CPU time the process spent in it (``time.process_time``: on a machine where other jobs take
+  cores, the wall time of N ranks on N cores stretches while the CPU time is the work each rank did);
+- the executor's accounted device peak (``peak_device_bytes`` of the step logs): on the CPU device the "device" is
+  this same RAM, so PSS counts the slots, the activations and the chunked loss that a GPU run keeps in GPU memory;
+  the *host* columns are PSS less that figure, what a GPU run's host would hold;
 - step time: median interval between step ends after the first;
 - the bytes per lane of its first traced step (the trace's ``bytes_per_step``);
 - how many units it updated in that step (the trace's updates: the optimizer's work divided among the ranks).
@@ -45,10 +49,11 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULT_PREFIX = "BENCH_DP_RESULT "
 
-# ~105M parameters: an untied 65536 x 512 embedding and head (67M) and 12 layers of hidden 512 (38M)
+# ~285M parameters: an untied 65536 x 1024 embedding and head (134M) and 12 layers of hidden 1024 (151M), so that
+# the ~400 MiB each process carries before it holds any state (torch, transformers, datasets) is not most of a rank
 BASE = dict(
-    model_type="qwen3", hidden_size=512, intermediate_size=1536, num_hidden_layers=12, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=64, vocab_size=65536, max_position_embeddings=2048, tie_word_embeddings=False,
+    model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=8,
+    num_key_value_heads=4, head_dim=128, vocab_size=65536, max_position_embeddings=2048, tie_word_embeddings=False,
     rms_norm_eps=1e-6, rope_theta=1e6,
 )
 TINY = dict(BASE, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -102,20 +107,27 @@ def worker(a) -> None:
     if a.global_batch % world:
         raise SystemExit(f"--global-batch {a.global_batch} is not a multiple of the {world} ranks")
     opt_times: list[float] = []
+    opt_cpu: list[float] = []
     real_run = updater_mod.LayerwiseUpdater.run
 
     def timed_run(self, clip_coef):
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         real_run(self, clip_coef)
         self.wait_all()
         opt_times.append(time.perf_counter() - t0)
+        opt_cpu.append(time.process_time() - c0)
 
     updater_mod.LayerwiseUpdater.run = timed_run
     step_ends: list[float] = []
     lanes: dict[str, int] = {}
     box: dict = {}
 
+    device_peak = [0]
+
     class Probe(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kw):
+            device_peak[0] = max(device_peak[0], int((logs or {}).get("peak_device_bytes", 0)))
+
         def on_step_end(self, args, state, control, **kw):
             step_ends.append(time.perf_counter())
             handle = box["trainer"].stream_handle
@@ -141,10 +153,12 @@ def worker(a) -> None:
     trainer.train()
     pss = sampler.stop()
     later = opt_times[1:] or opt_times
+    later_cpu = opt_cpu[1:] or opt_cpu
     gaps = [b - a_ for a_, b in zip(step_ends, step_ends[1:])]
     out = dict(
         rank=rank, world=world, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_pss=pss,
         optimizer_s=statistics.median(later) if later else None, step_s=statistics.median(gaps) if gaps else None,
+        optimizer_cpu_s=statistics.median(later_cpu) if later_cpu else None, device_peak=device_peak[0],
         lanes=lanes, units_updated=box.get("units"), losses=trainer.state.log_history and
         [h["loss"] for h in trainer.state.log_history if "loss" in h],
     )
@@ -183,7 +197,9 @@ def summarise(runs: list[list[dict]]) -> dict:
         rss_sum=med(lambda r: sum(x["peak_rss"] for x in r)),
         pss_max=med(lambda r: max(x["peak_pss"] for x in r)),
         pss_sum=med(lambda r: sum(x["peak_pss"] for x in r)),
+        host_sum=med(lambda r: sum(x["peak_pss"] - x["device_peak"] for x in r)),
         opt_max=med(lambda r: max(x["optimizer_s"] for x in r)),
+        opt_cpu_max=med(lambda r: max(x["optimizer_cpu_s"] for x in r)),
         step=med(lambda r: max(x["step_s"] for x in r)),
         lanes=runs[0][0]["lanes"],
         units=[x["units_updated"] for x in runs[0]],
@@ -233,13 +249,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarise(runs[n]) for n in procs]
     base = rows[0]
     mib = 1 << 20
-    print(f"{'ranks':>5} {'RSS/rank':>9} {'RSS sum':>9} {'PSS/rank':>9} {'PSS sum':>9} {'x1':>6} "
-          f"{'opt/rank s':>10} {'x1':>6} {'step s':>7} {'units/rank':>12}  bytes per lane (rank 0)")
+    print(f"{'ranks':>5} {'RSS/rank':>9} {'RSS sum':>9} {'PSS/rank':>9} {'PSS sum':>9} {'x1':>6} {'host sum':>9} "
+          f"{'x1':>6} {'opt/rank s':>10} {'x1':>6} {'opt cpu s':>9} {'x1':>6} {'step s':>7} {'units/rank':>12}  "
+          f"bytes per lane (rank 0)")
     for r in rows:
         print(f"{r['procs']:>5} {r['rss_max'] / mib:>8.0f}M {r['rss_sum'] / mib:>8.0f}M {r['pss_max'] / mib:>8.0f}M "
-              f"{r['pss_sum'] / mib:>8.0f}M {r['pss_sum'] / base['pss_sum']:>6.2f} {r['opt_max']:>10.3f} "
-              f"{r['opt_max'] / base['opt_max']:>6.2f} {r['step']:>7.2f} {str(r['units']):>12}  "
-              f"{ {k: v for k, v in r['lanes'].items() if v} }")
+              f"{r['pss_sum'] / mib:>8.0f}M {r['pss_sum'] / base['pss_sum']:>6.2f} {r['host_sum'] / mib:>8.0f}M "
+              f"{r['host_sum'] / base['host_sum']:>6.2f} {r['opt_max']:>10.3f} {r['opt_max'] / base['opt_max']:>6.2f} "
+              f"{r['opt_cpu_max']:>9.3f} {r['opt_cpu_max'] / base['opt_cpu_max']:>6.2f} {r['step']:>7.2f} "
+              f"{str(r['units']):>12}  { {k: v for k, v in r['lanes'].items() if v} }")
     if a.json:
         with open(a.json, "w") as f:
             json.dump(dict(rows=rows, runs={str(k): v for k, v in runs.items()}), f, indent=1)
