@@ -19,7 +19,7 @@ import os
 import pytest
 import torch
 from conftest import tiny_model
-from trainer_fixtures import token_dataset
+from trainer_fixtures import RUN_ARGS, token_dataset
 from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
@@ -90,12 +90,7 @@ def run(tmp_path, name: str, stream: bool) -> dict:
         per_device_eval_batch_size=4,
         max_steps=4,
         learning_rate=5e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=3,
-        save_strategy="no",
+        **RUN_ARGS,
         stream_enabled=stream,
         optim_hybrid_8bit=True,
         planner_hardware="cpu",

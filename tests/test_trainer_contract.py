@@ -30,7 +30,7 @@ import pytest
 import torch
 from conftest import tiny_model
 from trainer_contract_table import CONTRACT_A_MERGED, FAST_RUNS, FIELDS, INIT_ARGS, INPUTS, RUNS
-from trainer_fixtures import token_dataset
+from trainer_fixtures import RUN_ARGS, token_dataset
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 from lazytrain_hf import HybridAdamW8bit, LazyTrainer, LazyTrainingArguments
@@ -216,12 +216,7 @@ def _train(out, setting: dict, lazy: bool, resume_from: str | None = None) -> di
         per_device_eval_batch_size=4,
         max_steps=4,
         learning_rate=LR,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=3,
-        save_strategy="no",
+        **RUN_ARGS,
     )
     base.update(kw)
     if lazy:

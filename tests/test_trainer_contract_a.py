@@ -17,7 +17,7 @@ import functools
 import pytest
 import torch
 from conftest import tiny_config, tiny_model
-from trainer_fixtures import LossRecorder, token_dataset
+from trainer_fixtures import RUN_ARGS, LossRecorder, token_dataset
 from transformers import Qwen3ForCausalLM
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
@@ -31,12 +31,7 @@ def lazy_args(tmp_path, name: str, stream: bool = True, **extra) -> LazyTraining
         per_device_train_batch_size=4,
         max_steps=3,
         learning_rate=5e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=3,
-        save_strategy="no",
+        **RUN_ARGS,
         stream_enabled=stream,
         optim_hybrid_8bit=True,
         planner_hardware="cpu",

@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 from conftest import tiny_model
-from trainer_fixtures import token_dataset
+from trainer_fixtures import RUN_ARGS, token_dataset
 from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments, models
@@ -171,12 +171,7 @@ def short_trainer(out, stream: bool, max_steps: int, **extra) -> tuple[list[floa
         per_device_train_batch_size=4,
         max_steps=max_steps,
         learning_rate=5e-3,
-        logging_steps=1,
-        report_to=[],
-        use_cpu=True,
-        seed=3,
-        data_seed=3,
-        save_strategy="no",
+        **RUN_ARGS,
         stream_enabled=stream,
         optim_hybrid_8bit=True,
         planner_policy="default",

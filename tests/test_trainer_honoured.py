@@ -14,19 +14,14 @@ import pytest
 import torch
 from conftest import tiny_model
 from datasets import Dataset
-from trainer_fixtures import LossRecorder, make_trainer, token_dataset
+from trainer_fixtures import RUN_ARGS, LossRecorder, make_trainer, token_dataset
 from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 
 COMMON = dict(
     per_device_train_batch_size=4,
-    logging_steps=1,
-    report_to=[],
-    use_cpu=True,
-    seed=3,
-    data_seed=3,
-    save_strategy="no",
+    **RUN_ARGS,
     planner_hardware="cpu",
     planner_warmup_steps=1,
     planner_time_limit=10,
@@ -236,12 +231,7 @@ def test_lazy_sft_moe_loss_equals_trl_under_gradient_accumulation(tmp_path):
         gradient_accumulation_steps=2,
         max_steps=3,
         learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        seed=3,
-        data_seed=3,
-        use_cpu=True,
-        save_strategy="no",
+        **RUN_ARGS,
         max_length=64,
         bf16=False,
     )

@@ -18,7 +18,7 @@ import warnings
 import pytest
 import torch
 from conftest import tiny_model
-from trainer_fixtures import LossRecorder
+from trainer_fixtures import RUN_ARGS, LossRecorder
 
 LOSS_RTOL = 1e-5
 # bytes: forces layers to stream (tiny qwen3, vocab 260, 2 x 61 tokens): 1.05 MB is the least of any plan, 1.197 MB
@@ -66,12 +66,7 @@ def _common(out) -> dict:
         gradient_accumulation_steps=2,
         max_steps=STEPS,
         learning_rate=1e-3,
-        logging_steps=1,
-        report_to=[],
-        seed=3,
-        data_seed=3,
-        use_cpu=True,
-        save_strategy="no",
+        **RUN_ARGS,
         max_length=64,
         bf16=False,
     )

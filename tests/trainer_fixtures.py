@@ -9,6 +9,10 @@ from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments
 
+# The run settings every Trainer-vs-LazyTrainer comparison shares: a loss logged each step, no reporting and no
+# saving, the CPU, and one seed for the model's training and for the data order.
+RUN_ARGS = dict(logging_steps=1, report_to=[], use_cpu=True, seed=3, data_seed=3, save_strategy="no")
+
 
 class LossRecorder(TrainerCallback):
     def __init__(self):
