@@ -133,6 +133,21 @@ def test_user_forward_runs(tmp_path, build):
 
 
 # ---------------------------------------------------------------------------------------------------- 3. frozen + bf16
+def evaluate_then_train_bf16(model, tmp_path, name: str) -> None:
+    """`evaluate()`, then `train()`, of ``model`` with ``bf16=True``; the frozen parameters are checked unchanged
+    after `evaluate()` here, and after `train()` by the caller."""
+    before = frozen_snapshot(model)
+    tr = LazyTrainer(
+        model=model,
+        args=lazy_args(tmp_path, name, bf16=True),
+        train_dataset=token_dataset(),
+        eval_dataset=token_dataset(n=4, seed=9),
+    )
+    tr.evaluate()
+    assert_unchanged(model, before, "after evaluate()")
+    tr.train()
+
+
 def test_frozen_layers_are_bit_identical_with_bf16_compute(tmp_path):
     """Frozen decoder layers of an fp32 model trained with ``bf16=True`` (a bf16 compute copy): bit-identical after
     `train()` and after `evaluate()` (never written back from the rounded copy)."""
@@ -141,15 +156,7 @@ def test_frozen_layers_are_bit_identical_with_bf16_compute(tmp_path):
         model.model.layers[i].requires_grad_(False)
     model.model.layers[0].mlp.requires_grad_(False)  # a layer with frozen and trainable parts
     before = frozen_snapshot(model)
-    tr = LazyTrainer(
-        model=model,
-        args=lazy_args(tmp_path, "frozen", bf16=True),
-        train_dataset=token_dataset(),
-        eval_dataset=token_dataset(n=4, seed=9),
-    )
-    tr.evaluate()
-    assert_unchanged(model, before, "after evaluate()")
-    tr.train()
+    evaluate_then_train_bf16(model, tmp_path, "frozen")
     assert_unchanged(model, before, "after train()")
     assert all(p.dtype == torch.float32 for p in model.parameters())
 
@@ -166,15 +173,7 @@ def test_peft_base_is_bit_identical_with_bf16_compute(tmp_path):
     )
     before = frozen_snapshot(model)
     adapters = {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
-    tr = LazyTrainer(
-        model=model,
-        args=lazy_args(tmp_path, "peft", bf16=True),
-        train_dataset=token_dataset(),
-        eval_dataset=token_dataset(n=4, seed=9),
-    )
-    tr.evaluate()
-    assert_unchanged(model, before, "after evaluate()")
-    tr.train()
+    evaluate_then_train_bf16(model, tmp_path, "peft")
     assert_unchanged(model, before, "after train()")
     now = dict(model.named_parameters())
     assert any(not torch.equal(now[n], v) for n, v in adapters.items()), "the adapters did not train"
