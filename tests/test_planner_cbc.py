@@ -1,0 +1,113 @@
+"""The CBC path keeps its promises too: a CBC solve ends by its time limit measured by the wall clock, whatever CBC
+does with its own limit (See Note: [CBC's own time limit is not the wall clock]); it reports its incumbent and
+proven gap; a CBC stopped without a solution gives the fallback with its reason; and a CBC that is missing or a
+solver name that is wrong is an error naming the option, the value and the fix."""
+
+from __future__ import annotations
+
+import os
+import stat
+import time
+import warnings
+
+import pytest
+
+from lazytrain_hf.planner import milp
+from lazytrain_hf.planner.costmodel import CostModel
+from lazytrain_hf.planner.formulation import build_milp
+from lazytrain_hf.planner.solver import resolve_solver, run_solver
+from lazytrain_hf.planner.zoo import get_config
+
+pulp = pytest.importorskip("pulp")
+
+STALL_S = 30  # how long the stalled CBC below sits before it starts solving
+
+
+def _stalled_cbc(tmp_path, monkeypatch) -> None:
+    """Replace PuLP's bundled CBC by one that stalls `STALL_S` seconds before it even reads the model (as CBC's
+    preprocessing or its root LP can, neither of which looks at CBC's ``-sec``), then runs the real CBC."""
+    real = pulp.PULP_CBC_CMD.pulp_cbc_path
+    fake = tmp_path / "cbc"
+    fake.write_text(f'#!/bin/sh\nsleep {STALL_S}\nexec "{real}" "$@"\n')
+    fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", str(fake))
+
+
+def _model(lookahead: int = 2):
+    cm = CostModel.from_config(get_config("qwen3-8b"), "h800", 1024, 4)
+    gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
+    return cm, gpu, host, build_milp(cm, gpu, host, 0, ("gpu", "cpu"), lookahead, "time")
+
+
+def test_stalled_cbc_ends_by_its_time_limit(tmp_path, monkeypatch):
+    """A CBC that stalls far past its limit is stopped at the deadline; the report says so and has no solution.
+    Before the wall-clock bound, this solve with a 2 s limit took the whole stall (~31 s)."""
+    _stalled_cbc(tmp_path, monkeypatch)
+    _, _, _, model = _model()
+    limit = 2.0
+    t0 = time.perf_counter()
+    rep = run_solver(model.prob, "cbc", limit, 0.01, warm=False)
+    took = time.perf_counter() - t0
+    assert took <= 3 * limit + 10, f"a CBC solve with time_limit={limit} s took {took:.1f} s"
+    assert rep["status"] == "no_solution" and not rep["has_solution"], rep
+    assert "deadline" in rep["solver_result"], rep["solver_result"]
+
+
+def test_stalled_cbc_falls_back_with_its_reason(tmp_path, monkeypatch):
+    """`milp.solve` with a stalled CBC ends by its limit with the heuristic plan, and says why (warning and
+    ``plan.solver["fallback"]``)."""
+    _stalled_cbc(tmp_path, monkeypatch)
+    cm, gpu, host, _ = _model()
+    limit = 4.0
+    t0 = time.perf_counter()
+    with pytest.warns(milp.PlannerFallbackWarning, match="deadline"):
+        plan = milp.solve(cm, gpu, host, solver="cbc", time_limit=limit)
+    took = time.perf_counter() - t0
+    assert took <= 3 * limit + 10, f"milp.solve with time_limit={limit} s took {took:.1f} s"
+    assert plan.source == "heuristic" and plan.solver["status"] == "heuristic (no_solution)", plan.solver
+    assert "deadline" in plan.solver["fallback"] and "time_limit" in plan.solver["fallback"]
+
+
+def test_cbc_reports_its_incumbent_and_proven_gap():
+    """A warm-started CBC solve with gap 0 and a short limit: the incumbent (no worse than the start) comes back
+    with CBC's proven bound, and the gap is the one they give."""
+    cm, gpu, host, model = _model()
+    start = milp.heuristic_plan(cm, gpu, host, 0, ("gpu", "cpu"))
+    from lazytrain_hf.planner.formulation import set_warm_start
+
+    assert start is not None and set_warm_start(model, start, 2, cm)
+    rep = run_solver(model.prob, "cbc", 10.0, 0.0, warm=True)
+    assert rep["has_solution"] and rep["status"] in ("optimal", "time_limit"), rep
+    obj, bound = rep["objective"], rep["bound"]
+    assert obj is not None and bound is not None and bound <= obj * (1 + 1e-9), rep
+    assert obj <= milp.evaluate_plan(start, cm).step_time_s * (1 + 1e-6)
+    assert rep["gap"] == pytest.approx((obj - bound) / obj, rel=1e-3, abs=1e-6), rep
+    # the values PuLP holds are the incumbent's: they satisfy the model and give its objective
+    assert model.prob.valid(eps=1e-6)
+    assert pulp.value(model.prob.objective) == pytest.approx(obj, rel=1e-6)
+
+
+def test_cbc_plan_records_objective_bound_and_gap():
+    cm, gpu, host, _ = _model()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", milp.PlannerFallbackWarning)
+        plan = milp.solve(cm, gpu, host, solver="cbc", time_limit=20)
+    s = plan.solver
+    assert s["name"] == "cbc" and s["status"] in ("optimal", "time_limit"), s
+    assert s["objective"] is not None and s["bound"] is not None and s["gap"] is not None, s
+    assert s["bound"] <= s["objective"] * (1 + 1e-9) and 0 <= s["gap"] <= 0.01 + 1e-9, s
+
+
+def test_bad_solver_name_names_option_value_and_fix():
+    with pytest.raises(ValueError, match=r"solver='gurobi'.*'auto'.*'cbc'.*'highs'"):
+        resolve_solver("gurobi")
+    with pytest.raises(ValueError, match=r"solver='CBC'.*'cbc'"):
+        milp.solve(_model()[0], solver="CBC")
+
+
+def test_missing_cbc_names_option_and_fix(tmp_path, monkeypatch):
+    monkeypatch.setattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", str(tmp_path / "no-cbc-here"))
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(RuntimeError, match=r"solver='cbc'.*no-cbc-here.*(highspy|highs)"):
+        resolve_solver("cbc")
+    assert not os.path.exists(tmp_path / "no-cbc-here")
