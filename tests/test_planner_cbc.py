@@ -23,14 +23,27 @@ pulp = pytest.importorskip("pulp")
 STALL_S = 30  # how long the stalled CBC below sits before it starts solving
 
 
-def _stalled_cbc(tmp_path, monkeypatch) -> None:
+def _stalled_cbc(tmp_path, monkeypatch, ignore_sigint: bool = False) -> None:
     """Replace PuLP's bundled CBC by one that stalls `STALL_S` seconds before it even reads the model (as CBC's
-    preprocessing or its root LP can, neither of which looks at CBC's ``-sec``), then runs the real CBC."""
+    preprocessing or its root LP can, neither of which looks at CBC's ``-sec``), then runs the real CBC. With
+    ``ignore_sigint`` the stall ignores SIGINT (as a CBC started from a background job may); the pids of the
+    wrapper and of its stall are written to ``pids``."""
     real = pulp.PULP_CBC_CMD.pulp_cbc_path
     fake = tmp_path / "cbc"
-    fake.write_text(f'#!/bin/sh\nsleep {STALL_S}\nexec "{real}" "$@"\n')
+    trap = "trap '' INT\n" if ignore_sigint else ""
+    fake.write_text(
+        f'#!/bin/sh\n{trap}sleep {STALL_S} &\necho $$ $! > "{tmp_path / "pids"}"\nwait $!\nexec "{real}" "$@"\n'
+    )
     fake.chmod(fake.stat().st_mode | stat.S_IXUSR)
     monkeypatch.setattr(pulp.PULP_CBC_CMD, "pulp_cbc_path", str(fake))
+
+
+def _alive(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            return not any(line.startswith("State:") and "Z" in line.split()[1] for line in f)
+    except FileNotFoundError:
+        return False
 
 
 def _model(lookahead: int = 2):
@@ -39,18 +52,28 @@ def _model(lookahead: int = 2):
     return cm, gpu, host, build_milp(cm, gpu, host, 0, ("gpu", "cpu"), lookahead, "time")
 
 
-def test_stalled_cbc_ends_by_its_time_limit(tmp_path, monkeypatch):
-    """A CBC that stalls far past its limit is stopped at the deadline; the report says so and has no solution.
-    Before the wall-clock bound, this solve with a 2 s limit took the whole stall (~31 s)."""
-    _stalled_cbc(tmp_path, monkeypatch)
+@pytest.mark.parametrize("ignore_sigint", [False, True], ids=["stops-on-sigint", "ignores-sigint"])
+def test_stalled_cbc_ends_by_its_time_limit(tmp_path, monkeypatch, ignore_sigint):
+    """A CBC that stalls far past its limit is stopped at the deadline (by SIGINT, else killed with all it runs);
+    the report says so and has no solution. Before the wall-clock bound, this solve with a 2 s limit took the whole
+    stall (~31 s)."""
+    _stalled_cbc(tmp_path, monkeypatch, ignore_sigint)
     _, _, _, model = _model()
     limit = 2.0
     t0 = time.perf_counter()
     rep = run_solver(model.prob, "cbc", limit, 0.01, warm=False)
     took = time.perf_counter() - t0
     assert took <= 3 * limit + 10, f"a CBC solve with time_limit={limit} s took {took:.1f} s"
-    assert rep["status"] == "no_solution" and not rep["has_solution"], rep
+    assert rep["status"] == "no_solution" and not rep["has_solution"] and rep["stopped"], rep
     assert "deadline" in rep["solver_result"], rep["solver_result"]
+    if ignore_sigint:
+        assert "killed" in rep["solver_result"], rep["solver_result"]
+    if os.path.isdir("/proc"):  # nothing of it is left running
+        pids = [int(p) for p in (tmp_path / "pids").read_text().split()]
+        t_end = time.perf_counter() + 5  # a killed process takes a moment to go
+        while any(_alive(p) for p in pids) and time.perf_counter() < t_end:
+            time.sleep(0.05)
+        assert not [p for p in pids if _alive(p)], pids
 
 
 def test_stalled_cbc_falls_back_with_its_reason(tmp_path, monkeypatch):

@@ -108,21 +108,19 @@ def run_cbc(prob: Any, time_limit: float, gap: float, warm: bool, threads: int |
                                     start_new_session=True)  # fmt: skip
         signalled = killed = False
         try:
-            while proc.poll() is None:
+            while not _ended(proc):
                 now = time.perf_counter()
                 if now >= deadline - STOP_GRACE_S and not signalled:
                     _signal_group(proc, signal.SIGINT)
                     signalled = True
-                if now >= deadline:
+                if now >= deadline and not killed:
                     _signal_group(proc, signal.SIGKILL)
-                    proc.wait()
                     killed = True
-                    break
                 time.sleep(_POLL_S)
         finally:
-            if proc.poll() is None:  # interrupted (KeyboardInterrupt): never leave CBC running
-                _signal_group(proc, signal.SIGKILL)
-                proc.wait()
+            # whatever is left of its group (a wrapper's children; all of it when interrupted by KeyboardInterrupt)
+            _signal_group(proc, signal.SIGKILL)
+            proc.wait()
         with open(log, errors="replace") as f:
             text = f.read()
         took = time.perf_counter() - t0
@@ -211,8 +209,19 @@ def _no_solution(why: str, t0: float) -> dict[str, Any]:
     }
 
 
+def _ended(proc: subprocess.Popen) -> bool:
+    """Whether CBC's process has ended, leaving it unreaped: its pid, the id of its process group, stays taken until
+    ``proc.wait()``, so a signal to the group never reaches a process that took the id up since."""
+    if not hasattr(os, "waitid"):
+        return proc.poll() is not None
+    try:
+        return os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
+    except ChildProcessError:  # reaped already
+        return True
+
+
 def _signal_group(proc: subprocess.Popen, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)
-    except ProcessLookupError:  # ended meanwhile
+    except (ProcessLookupError, PermissionError):  # the group has ended (on macOS a group of zombies refuses)
         pass
