@@ -16,11 +16,23 @@ from lazytrain_hf.planner import milp
 from lazytrain_hf.planner.costmodel import CostModel
 from lazytrain_hf.planner.formulation import build_milp
 from lazytrain_hf.planner.solver import resolve_solver, run_solver
-from lazytrain_hf.planner.zoo import get_config
+from lazytrain_hf.planner.zoo import ZooConfig, get_config
 
 pulp = pytest.importorskip("pulp")
 
 STALL_S = 30  # how long the stalled CBC below sits before it starts solving
+# Qwen3-235B-A22B's architecture (its public config.json): 94 MoE layers; CBC does not prove its plan within seconds
+QWEN3_235B = ZooConfig(
+    "qwen3-235b-a22b",
+    **{
+        **get_config("qwen3-30b-a3b").to_dict(),
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "moe_intermediate_size": 1536,
+        "num_hidden_layers": 94,
+        "num_attention_heads": 64,
+    },
+)
 
 
 def _stalled_cbc(tmp_path, monkeypatch, ignore_sigint: bool = False) -> None:
@@ -91,23 +103,31 @@ def test_stalled_cbc_falls_back_with_its_reason(tmp_path, monkeypatch):
     assert "deadline" in plan.solver["fallback"] and "time_limit" in plan.solver["fallback"]
 
 
-def test_cbc_reports_its_incumbent_and_proven_gap():
-    """A warm-started CBC solve with gap 0 and a short limit: the incumbent (no worse than the start) comes back
-    with CBC's proven bound, and the gap is the one they give."""
-    cm, gpu, host, model = _model()
-    start = milp.heuristic_plan(cm, gpu, host, 0, ("gpu", "cpu"))
+def test_cbc_reports_its_incumbent_and_proven_gap(monkeypatch):
+    """A warm-started CBC solve with gap 0 stopped by its own limit on a model it does not prove within it: the
+    incumbent (no worse than the start, a point of the model) comes back with CBC's proven bound and their gap.
+    CBC's own limit is set to ~40% of the 10 s here so that even a loaded machine leaves it time to write its
+    solution before the deadline."""
+    from lazytrain_hf.planner import cbc_run
     from lazytrain_hf.planner.formulation import set_warm_start
 
+    monkeypatch.setattr(cbc_run, "_MARGIN_SHARE", 0.6)
+    cm = CostModel.from_config(QWEN3_235B, "h200", 8192, 4)
+    gpu, host = 126_900_000_000, 824_633_720_832  # `plan_for_model`'s defaults on h200
+    model = build_milp(cm, gpu, host, 0, ("gpu", "cpu"), 2, "time")
+    start = milp.heuristic_plan(cm, gpu, host, 0, ("gpu", "cpu"))
     assert start is not None and set_warm_start(model, start, 2, cm)
     rep = run_solver(model.prob, "cbc", 10.0, 0.0, warm=True)
-    assert rep["has_solution"] and rep["status"] in ("optimal", "time_limit"), rep
+    assert rep["has_solution"] and rep["status"] in ("optimal", "time_limit") and not rep["stopped"], rep
     obj, bound = rep["objective"], rep["bound"]
-    assert obj is not None and bound is not None and bound <= obj * (1 + 1e-9), rep
+    assert obj is not None and bound is not None and bound <= obj, rep
     assert obj <= milp.evaluate_plan(start, cm).step_time_s * (1 + 1e-6)
-    assert rep["gap"] == pytest.approx((obj - bound) / obj, rel=1e-3, abs=1e-6), rep
+    assert rep["gap"] == pytest.approx((obj - bound) / obj, rel=1e-9, abs=1e-12), rep
+    if rep["status"] == "time_limit":
+        assert "time limit" in rep["solver_result"].lower() and rep["gap"] > 0, rep
     # the values PuLP holds are the incumbent's: they satisfy the model and give its objective
     assert model.prob.valid(eps=1e-6)
-    assert pulp.value(model.prob.objective) == pytest.approx(obj, rel=1e-6)
+    assert pulp.value(model.prob.objective) == pytest.approx(obj, rel=1e-9)
 
 
 def test_cbc_plan_records_objective_bound_and_gap():
