@@ -25,8 +25,8 @@ what it depends on has finished:
   node (on this rank's ``net`` lane when this rank receives it). The step of the world is its slowest rank's.
   With ``plan.dp_reduce == "device"`` a unit's gradient is instead reduced on the devices on the ``net`` lane as
   soon as its backward ends (`NetTimes.device_reduce_s`, on every rank), the owner's D2H copy follows it, the other
-  ranks copy nothing, and the next backward waits for it (the reduce is ordered on the compute stream: Note:
-  [Gradients reduced on the device skip the other ranks' D2H] in streaming/gradients.py).
+  ranks copy nothing, and the next backward waits for it (the reduce is ordered on the compute stream,
+  Note: [Gradients reduced on the device skip the other ranks' D2H] in streaming/gradients.py).
 - On a profile with ``serial_lanes`` (the CPU device: copies are memcpy on the cores that compute) every transfer
   and the optimizer run on the compute lane, and the next step starts after the optimizer step.
 
