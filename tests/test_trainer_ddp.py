@@ -263,6 +263,17 @@ def test_device_reduce_without_accumulation_matches_one_process(tmp_path):
     _check_device_reduce(tmp_path, single, ranks)
 
 
+@pytest.mark.slow
+def test_device_reduce_of_moe_units_with_streamed_embeddings_matches_one_process(tmp_path):
+    """The device reduce of a MoE model (experts no local token reached take part with zeros) whose embedding and
+    head are units too, gradient accumulation 2."""
+    single, ranks = _match_one_process(
+        tmp_path, 2, "--dp-reduce", "device", "--model-type", "qwen3_moe", "--stream-embeddings", "--ga", "2"
+    )
+    assert -1 in single["units"] and 4 in single["units"]
+    _check_device_reduce(tmp_path, single, ranks)
+
+
 # --------------------------------------------------------------------------- gradient accumulation, reductions counted
 # Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
 # (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of
