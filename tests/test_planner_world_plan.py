@@ -287,7 +287,7 @@ def test_planner_reduces_on_the_device_when_pcie_binds_and_on_the_host_when_the_
     bundled profiles: NVLink-class devices reduce on the device, PCIe-class GeForce cards on the host."""
     pcie = _decided(dataclasses.replace(get_profile("h800"), d2h_gbps=2.0))
     slow_link = _decided(dataclasses.replace(get_profile("h800"), device_net_gbps=0.5))
-    print("PCIe-bound", pcie.predicted["dp_reduce_step_s"], "slow device link", slow_link.predicted["dp_reduce_step_s"])
+    print("PCIe-bound", pcie.predicted["dp_reduce_step_s"], "slow link", slow_link.predicted["dp_reduce_step_s"])
     assert pcie.dp_reduce == "device" and slow_link.dp_reduce == "host"
     for plan in (pcie, slow_link):
         steps = plan.predicted["dp_reduce_step_s"]
@@ -302,9 +302,8 @@ def test_planner_reduces_on_the_device_when_pcie_binds_and_on_the_host_when_the_
 def test_device_net_figures_of_the_profiles():
     from lazytrain_hf.planner.hardware import HardwareProfile
 
-    assert [get_profile(n).device_net_gbps for n in ("h800", "h100", "h200", "a100-80g", "rtx3090", "rtx4090")] == [
-        160.0, 360.0, 360.0, 240.0, 12.0, 12.0
-    ]
+    names = ("h800", "h100", "h200", "a100-80g", "rtx3090", "rtx4090")
+    assert [get_profile(n).device_net_gbps for n in names] == [160.0, 360.0, 360.0, 240.0, 12.0, 12.0]
     d = get_profile("h200").to_dict()
     del d["device_net_gbps"]
     assert HardwareProfile.from_dict(d).device_net_gbps == 12.0  # a profile written before the field

@@ -13,7 +13,9 @@ state is partitioned by unit] in `lazytrain_hf.planner.world`), every micro-batc
 The device path pays where PCIe (and the host reduce) is the bottleneck and the device interconnect is fast (NVLink);
 the host path where the devices talk over PCIe through host memory and the backward hides the host's reduces.
 `decide` replays the plan both ways (`simulate.simulate`, the slowest rank) and keeps the shorter step (the host
-path on a tie: today's behaviour); ``plan.predicted["dp_reduce_step_s"]`` records both steps.
+path on a tie: today's behaviour); ``plan.predicted["dp_reduce_step_s"]`` records both steps. The MILP itself plans
+with the host path's reduce times (`worldcost.WorldCostModel.reduce_drain_s`): the choice is made on its plan, after
+the solve (`milp.plan_for_model` with a world; `LazyTrainer` on rank 0, `training.planning.set_dp_reduce`).
 """
 
 from __future__ import annotations
