@@ -18,7 +18,7 @@ from transformers import TrainingArguments
 
 from .activations.nvme import check_dir as check_nvme_dir
 from .planner.baselines import BASELINES
-from .planner.plan import INPUT_TIERS
+from .planner.plan import DP_REDUCE, INPUT_TIERS
 from .training.arg_upgrades import maintained_upgrade
 from .training.plan_files import PLAN_FILE  # re-exported: the plan next to a checkpoint (also in output_dir)
 from .units import parse_bytes
@@ -27,6 +27,7 @@ STATE_NVME_LAYERS = ("auto", "all")  # state_nvme_layers
 
 PLANNER_POLICIES = ("milp", *BASELINES, "default")  # a baseline name plans with `baselines.make_baseline`
 SOLVERS = ("auto", "cbc", "highs")
+DP_REDUCE_CHOICES = ("auto", *DP_REDUCE)  # planner_dp_reduce
 
 
 @dataclass
@@ -64,6 +65,10 @@ class LazyTrainingArguments(TrainingArguments):
         that fits, and train with it (overrides `per_device_train_batch_size`).
     planner_max_batch_size (`int`, defaults to `256`): upper end of that search.
     planner_warmup_steps (`int`, defaults to `2`): timed warm-up steps that measure per-layer costs before solving.
+    planner_dp_reduce (`str`, defaults to `"auto"`): data parallel only: where each streamed unit's gradient is
+        reduced to the rank that owns its training state, every micro-batch: `"host"` (every rank copies it D2H, gloo
+        sums the fp32 copies), `"device"` (summed on the devices, NCCL on CUDA, before the D2H copy only the owner
+        makes) or `"auto"` (what the plan says; the planner picks the shorter simulated step).
     planner_plan (`str`, *optional*): a Plan JSON file (as `lazytrain plan --save` writes it, or a checkpoint's
         `lazytrain_plan.json`; a checkpoint directory works too) that `train()` executes as is: no hardware profile,
         warm-up or solve. It must match the model (layer count and kinds) and `per_device_train_batch_size`; its
@@ -197,6 +202,13 @@ class LazyTrainingArguments(TrainingArguments):
             "(default: on with CUDA when the plan allows it)."
         },
     )
+    planner_dp_reduce: str = field(
+        default="auto",
+        metadata={
+            "help": "Data parallel: where each unit's gradient is reduced to its owner: 'host' (gloo on host copies), "
+            "'device' (NCCL before the D2H copy) or 'auto' (the plan decides)."
+        },
+    )
 
     def __post_init__(self):
         # before TrainingArguments sets up the frameworks some of them name (DeepSpeed, FSDP), which never run here
@@ -234,6 +246,11 @@ class LazyTrainingArguments(TrainingArguments):
             raise ValueError(f"planner_warmup_steps={self.planner_warmup_steps} must be >= 0.")
         if self.planner_plan is not None:
             self.planner_plan = resolve_plan_path(self.planner_plan)
+        if self.planner_dp_reduce not in DP_REDUCE_CHOICES:
+            raise ValueError(
+                f"planner_dp_reduce={self.planner_dp_reduce!r} is not one of {', '.join(DP_REDUCE_CHOICES)}; pass "
+                "'auto' to let the plan decide, 'host' to reduce the gradients on the host, 'device' on the devices."
+            )
 
         # "gpu,cpu", ["gpu,cpu"] and ["gpu", "cpu"] all mean the same (the command line gives the middle form)
         if not isinstance(self.activation_tiers, str | list | tuple):

@@ -295,6 +295,8 @@ def _world_summary(plan, cm, sim) -> dict[str, Any]:
         "step_time_s": sim.step_time_s,
         "tokens_per_s": sim.tokens_per_s * world.world_size,
         "bytes_per_step_rank0": plan.predicted.get("bytes_per_step"),
+        "dp_reduce": plan.dp_reduce,
+        "dp_reduce_step_s": plan.predicted.get("dp_reduce_step_s"),
     }
 
 
@@ -311,6 +313,15 @@ def _world_text(w: dict[str, Any]) -> str:
         f"  predicted step (slowest rank, simulated): {w['step_time_s']:.4f} s, {w['tokens_per_s']:.0f} tokens/s "
         "for the world",
     ]
+    steps = w.get("dp_reduce_step_s") or {}
+    where = {
+        "host": "on the host (every rank copies D2H, gloo to the owner)",
+        "device": "on the devices (to the owner before its D2H copy; the other ranks copy nothing)",
+    }[w["dp_reduce"]]
+    lines.append(
+        f"  gradients reduced {where}"
+        + (" [simulated step: " + ", ".join(f"{k} {v:.4f} s" for k, v in steps.items()) + "]" if steps else "")
+    )
     b = w.get("bytes_per_step_rank0") or {}
     if b:
         lines.append("  rank 0 bytes per step: " + ", ".join(f"{k} {format_bytes(v)}" for k, v in b.items()))

@@ -57,6 +57,7 @@ def test_budgets_are_parsed():
         (dict(stream_prefetch_depth=-1), ["stream_prefetch_depth"]),
         (dict(stream_loss_chunk_tokens=0), ["stream_loss_chunk_tokens"]),
         (dict(planner_hardware=""), ["planner_hardware"]),
+        (dict(planner_dp_reduce="nccl"), ["planner_dp_reduce", "'nccl'", "auto", "host", "device"]),
     ],
 )
 def test_validation_errors_name_option_value_and_fix(kw, words):

@@ -236,6 +236,7 @@ def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys, tmp_p
     for w in ("world: 4 ranks on 2 node(s), 2 per node", "host RAM per node:", "host RAM per rank: rank 0", "net"):
         assert w in out, (w, out[-2000:])
     assert "predicted step (slowest rank, simulated)" in out
+    assert "gradients reduced on the devices" in out and "[simulated step: host" in out  # H800: NVLink
     code, out, _ = run(capsys, *argv, "--json", "--save", str(tmp_path / "plan.json"))
     data = json.loads(out)
     w = data["world"]
@@ -250,6 +251,9 @@ def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys, tmp_p
             <= w["shared_compute_bytes"] + sum(ranks)
         )
     assert w["bytes_per_step_rank0"]["net"] > 0 and w["step_time_s"] > 0
+    # where the gradients are reduced: the plan's choice, the shorter of the two simulated steps
+    steps = w["dp_reduce_step_s"]
+    assert w["dp_reduce"] == data["plan"]["dp_reduce"] == min(steps, key=steps.get) == "device"
     # the saved plan carries its world: `simulate` replays it on the net lane too
     code, out, _ = run(capsys, "simulate", *argv[1:7], "--plan", str(tmp_path / "plan.json"))
     assert code == 0 and "net      busy" in out

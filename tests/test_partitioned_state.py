@@ -92,3 +92,55 @@ def test_gradients_handed_to_the_owner_reduce_are_the_device_gradients(stream_em
         assert handle.trace.current["bytes"]["net"] == sum(4 * want[i].numel() for i in remote)
     finally:
         handle.remove()
+
+
+@pytest.mark.parametrize("stream_embeddings", [False, True])
+def test_device_reduce_hands_the_device_gradients_and_skips_the_d2h_of_other_ranks_units(stream_embeddings):
+    """Note: [Gradients reduced on the device skip the other ranks' D2H], without collectives: the device reducer
+    gets every unit's device gradients (bit for bit one process's, here left as they are: the mean of two equal
+    ranks), the owner's accumulators then equal one process's, the units another rank owns cross nothing D2H and are
+    recorded on ``net`` as ``reduce_device`` with their gradient bytes, and the trace equals the plan's prediction
+    for rank 0 of 2 (planner/schedule.py)."""
+    from lazytrain_hf.planner import schedule
+    from lazytrain_hf.planner.world import World
+
+    batch = padded_batch()
+    ref_model = tiny_model("qwen3", seed=1)
+    ref = attach(ref_model, _plan(ref_model, stream_embeddings))
+    ref_model(**batch).loss.backward()
+    ref.synchronize()
+    want = {i: ls.grad.clone() for i, ls in ref.store.layers.items()}
+    ref.remove()
+
+    model = tiny_model("qwen3", seed=1)
+    plan = _plan(model, stream_embeddings)
+    plan.world_size, plan.dp_reduce = 2, "device"
+    owners = dataparallel.unit_owners_of(model, plan, 2)
+    handle = attach(model, plan, unit_owners=owners, rank=0)
+    seen: dict[int, tuple[list[torch.Tensor], int]] = {}
+    try:
+        handle.owner_grad_reducer = lambda *a: pytest.fail(f"host reduce {a[0]} with dp_reduce='device'")
+        handle.owner_device_reducer = lambda unit, grads, owner: seen.__setitem__(
+            unit, ([g.clone() for g in grads], owner)
+        )
+        model(**batch).loss.backward()
+        handle.synchronize()
+        assert sorted(seen) == sorted(want) and all(owner == owners[i] for i, (_, owner) in seen.items())
+        remote = sorted(i for i, ls in handle.store.layers.items() if ls.remote)
+        own = sorted(i for i in want if i not in remote)
+        assert remote and own
+        for i in own:
+            assert torch.equal(handle.store.layers[i].grad, want[i]), f"unit {i}"
+            assert i in handle.sq_norms  # the owner's norm, taken of the reduced gradient
+        transfers = handle.trace.current["transfers"]
+        d2h = {t["layer"] for t in transfers if t["lane"] == "d2h" and t["what"] == "grad" and t["layer"] is not None}
+        assert d2h == set(own), d2h  # no D2H of the units rank 1 owns
+        net = {t["layer"]: t["bytes"] for t in transfers if t["lane"] == "net"}
+        assert {t["what"] for t in transfers if t["lane"] == "net"} == {"reduce_device"}
+        assert net == {i: sum(g.numel() * g.element_size() for g in seen[i][0]) for i in remote}
+        sizes = schedule.sizes_from_model(model, plan)
+        predicted = schedule.bytes_per_step(plan, sizes, 1, World(2, 1), rank=0)
+        got = {lane: handle.trace.current["bytes"][lane] for lane in predicted}
+        assert got == predicted, (got, predicted)
+    finally:
+        handle.remove()

@@ -239,3 +239,73 @@ def test_profiles_without_network_figures_load_and_bad_ones_are_refused(tmp_path
     assert HardwareProfile.from_json(str(tmp_path / "old.json")).net_gbps == 5.0
     with pytest.raises(ValueError, match="net_gbps=0"):
         HardwareProfile.from_dict({**d, "net_gbps": 0})
+
+
+# ---------------------------------------------------------------------------------------------- dp_reduce
+def test_device_reduce_bytes_per_rank_by_hand():
+    """dp_reduce="device", 4 equal layers on 2 ranks of one node (owners [0, 1, 0, 1]), GA 2: rank 0 copies D2H the
+    gradients of layers 0 and 2 only (50 B each, every micro-batch) and reduces those of layers 1 and 3 on the device
+    (their 50 B, in their dtype, every micro-batch); one process's other lanes are unchanged."""
+    plan = Plan.default(4, world_size=2, dp_reduce="device")
+    sizes = tiny_sizes()
+    single = schedule.bytes_per_step(plan, sizes, 2, world=World(1, 1))
+    for rank in (0, 1):
+        got = schedule.bytes_per_step(plan, sizes, 2, rank=rank)
+        assert got == {**single, "d2h": single["d2h"] - 2 * 2 * 50, "net": 2 * 2 * 50}, rank
+    tr = [t for t in schedule.step_transfers(plan, sizes, 2, rank=0) if t.what in ("grad", "reduce_device")]
+    assert [(t.lane, t.what, t.layer, t.nbytes, t.stage, t.peer) for t in tr] == [
+        ("net", "reduce_device", 3, 50, 2 * 4 - 3, 1),
+        ("d2h", "grad", 2, 50, 2 * 4 - 2, None),
+        ("net", "reduce_device", 1, 50, 2 * 4 - 1, 1),
+        ("d2h", "grad", 0, 50, 2 * 4, None),
+    ]
+
+
+def test_plan_file_keeps_dp_reduce_and_old_files_reduce_on_the_host(tmp_path):
+    plan = Plan.default(3, world_size=2, dp_reduce="device")
+    back = Plan.from_json(plan.to_json())
+    assert back.dp_reduce == "device" and "dp_reduce=device" in back.table()
+    old = plan.to_dict()
+    del old["dp_reduce"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Plan.from_json(str(tmp_path / "old.json")).dp_reduce == "host"
+    with pytest.raises(PlanError, match="dp_reduce='nccl'.*'host'.*'device'"):
+        Plan.from_dict({**plan.to_dict(), "dp_reduce": "nccl"})
+
+
+def _decided(hw) -> Plan:
+    from lazytrain_hf.planner import dpreduce
+
+    cm = CostModel.from_config(get_config("qwen2.5-1.5b"), hw, 1024, 4)
+    return dpreduce.decide(Plan.default(cm.num_layers), cm, World(2, 1))
+
+
+def test_planner_reduces_on_the_device_when_pcie_binds_and_on_the_host_when_the_device_link_is_slow():
+    """The decision (`dpreduce.decide`, the shorter simulated step of the slowest rank): on an H800 whose D2H is
+    slow (PCIe-bound: every rank copying every unit's gradient is the bottleneck) the device path wins; with a slow
+    device interconnect (the reduce, ordered on the compute stream, stalls the backward) the host path does. The
+    bundled profiles: NVLink-class devices reduce on the device, PCIe-class GeForce cards on the host."""
+    pcie = _decided(dataclasses.replace(get_profile("h800"), d2h_gbps=2.0))
+    slow_link = _decided(dataclasses.replace(get_profile("h800"), device_net_gbps=0.5))
+    print("PCIe-bound", pcie.predicted["dp_reduce_step_s"], "slow link", slow_link.predicted["dp_reduce_step_s"])
+    assert pcie.dp_reduce == "device" and slow_link.dp_reduce == "host"
+    for plan in (pcie, slow_link):
+        steps = plan.predicted["dp_reduce_step_s"]
+        assert steps[plan.dp_reduce] == min(steps.values()) and (plan.world_size, plan.nodes) == (2, 1)
+    assert _decided("h200").dp_reduce == "device" and _decided("rtx4090").dp_reduce == "host"
+    one = dataclasses.replace(Plan.default(2), dp_reduce="device")
+    from lazytrain_hf.planner import dpreduce
+
+    assert dpreduce.decide(one, optimizer_bound_model()).dp_reduce == "host"  # one rank: nothing to reduce
+
+
+def test_device_net_figures_of_the_profiles():
+    from lazytrain_hf.planner.hardware import HardwareProfile
+
+    names = ("h800", "h100", "h200", "a100-80g", "rtx3090", "rtx4090")
+    assert [get_profile(n).device_net_gbps for n in names] == [160.0, 360.0, 360.0, 240.0, 12.0, 12.0]
+    d = get_profile("h200").to_dict()
+    del d["device_net_gbps"]
+    assert HardwareProfile.from_dict(d).device_net_gbps == 12.0  # a profile written before the field
+    with pytest.raises(ValueError, match="device_net_gbps=-1"):
+        HardwareProfile.from_dict({**d, "device_net_gbps": -1})

@@ -223,6 +223,57 @@ def test_four_ranks_hold_a_quarter_each_and_match_one_process(tmp_path):
     assert [s["updated_units"] for s in ranks] == [[0], [1], [2], [3]]
 
 
+# --------------------------------------------------------------------------- gradients reduced on the device
+def _check_device_reduce(tmp_path, single: dict, ranks: list[dict]) -> None:
+    """Note: [Gradients reduced on the device skip the other ranks' D2H]: every rank's plan says ``device``; a rank
+    copies D2H the gradients of its own units only (as many bytes per unit as one process), none of the others',
+    and records on ``net`` one ``reduce_device`` per micro-batch of each unit it does not own (that unit's gradient
+    bytes); its trace equals the bytes its plan predicts for its rank, every lane."""
+    for r, s in enumerate(ranks):
+        plan = json.loads((tmp_path / "ddp" / f"rank{r}.plan.json").read_text())
+        assert plan["dp_reduce"] == "device" and plan["world_size"] == 2
+        predicted = plan["predicted"]["bytes_per_step"]
+        assert all(b == predicted for b in s["trace_bytes"]), (s["trace_bytes"], predicted)
+        own = {str(k) for k in s["updated_units"]}
+        others = {str(k) for k in s["units"]} - own
+        assert own and others
+        remote_bytes = 0
+        for step, one in zip(s["d2h_grad"], single["d2h_grad"]):
+            assert set(step) == own, (r, step)  # 0 D2H bytes for the units another rank owns
+            assert all(step[k] == one[k] for k in own), (step, one)
+            remote_bytes = sum(one[k] for k in others)
+        assert s["net"] == [{"reduce_device": remote_bytes}] * 3, s["net"]
+        assert predicted["d2h"] == sum(s["d2h_grad"][0].values()) and predicted["net"] == remote_bytes
+
+
+@pytest.mark.slow
+def test_device_reduce_matches_one_process_and_its_prediction(tmp_path):
+    """dp_reduce="device" on 2 ranks (gloo on the CPU device's tensors, the path NCCL takes on CUDA), gradient
+    accumulation 2: weights and losses as one process at the same global batch within the tolerances of the host
+    path (the summation order differs as there: 2 + 2 sequences, then the sum on the device); each rank's trace is
+    its prediction, with no D2H of the units it does not own."""
+    single, ranks = _match_one_process(tmp_path, 2, "--dp-reduce", "device", "--ga", "2", global_batch=4)
+    _check_device_reduce(tmp_path, single, ranks)
+
+
+@pytest.mark.slow
+def test_device_reduce_without_accumulation_matches_one_process(tmp_path):
+    """The same without gradient accumulation: the owner's norm is taken on the device, of the reduced gradient."""
+    single, ranks = _match_one_process(tmp_path, 2, "--dp-reduce", "device")
+    _check_device_reduce(tmp_path, single, ranks)
+
+
+@pytest.mark.slow
+def test_device_reduce_of_moe_units_with_streamed_embeddings_matches_one_process(tmp_path):
+    """The device reduce of a MoE model (experts no local token reached take part with zeros) whose embedding and
+    head are units too, gradient accumulation 2."""
+    single, ranks = _match_one_process(
+        tmp_path, 2, "--dp-reduce", "device", "--model-type", "qwen3_moe", "--stream-embeddings", "--ga", "2"
+    )
+    assert -1 in single["units"] and 4 in single["units"]
+    _check_device_reduce(tmp_path, single, ranks)
+
+
 # --------------------------------------------------------------------------- gradient accumulation, reductions counted
 # Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
 # (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of

@@ -40,6 +40,12 @@ from .hwprofile import GB, GiB, HardwareProfile, TiB
 # - net_gbps / shm_gbps (a data-parallel world's gradient reduces and compute-copy gathers, host to host): every
 #   GPU profile keeps `HardwareProfile`'s defaults (5 GB/s between nodes: gloo over TCP on 100 Gb/s; 10 GB/s between
 #   the ranks of a node through shared memory), assumed figures until measured; the CPU machine: its memcpy.
+# - device_net_gbps (a unit's gradient reduced to its owner on the devices by NCCL, `Plan.dp_reduce == "device"`):
+#   ~80% of one direction of the node's device interconnect, what NCCL's bus bandwidth reaches on large messages
+#   (nccl-tests): H100 / H200 NVLink 4, 900 GB/s both ways -> 360; H800 NVLink cut to 400 GB/s both ways -> 160;
+#   A100 NVLink 3, 600 GB/s -> 240; RTX 3090 / 4090 without NVLink or peer-to-peer (4090), PCIe Gen4 through host
+#   memory -> 12 (`HardwareProfile`'s default); the CPU machine: gloo over host memory, its memcpy. Assumed
+#   figures, like net_gbps, until measured on the cluster.
 # - kernel_overhead_s: 5 us per kernel, PyTorch eager dispatch + CUDA launch of one op (only what a short kernel
 #   cannot hide; negligible at layer shapes of billions of parameters, visible on tiny ones).
 _HOPPER_GEMM = 0.52
@@ -62,6 +68,7 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         memory_gbps=2850.0,
         kernel_overhead_s=_GPU_KERNEL_S,
         efficiency=dict(_HOPPER_EFFICIENCY),
+        device_net_gbps=160.0,
         source="datasheet: H800 SXM5 80 GB HBM3 3.35 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
     ),
     "h200": dict(
@@ -78,6 +85,7 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         memory_gbps=4080.0,
         kernel_overhead_s=_GPU_KERNEL_S,
         efficiency=dict(_HOPPER_EFFICIENCY),
+        device_net_gbps=360.0,
         source="datasheet: H200 SXM 141 GB HBM3e 4.8 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
     ),
     "a100-80g": dict(
@@ -94,6 +102,7 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         memory_gbps=1730.0,
         kernel_overhead_s=_GPU_KERNEL_S,
         efficiency=dict(_AMPERE_EFFICIENCY),
+        device_net_gbps=240.0,
         source="datasheet: A100 SXM4 80 GB HBM2e 2.04 TB/s, 312 TFLOPS dense bf16, PCIe Gen4 x16",
     ),
     "rtx3090": dict(
@@ -149,14 +158,16 @@ _BUNDLED: dict[str, dict[str, Any]] = {
         kernel_overhead_s=5e-6,
         efficiency={"attention": 0.5, "attention_bwd": 0.4, "linear_attention": 0.5, "moe": 0.5},
         shm_gbps=19.0,
+        device_net_gbps=19.0,
         source="measured facts of a 2-core AMD EPYC (AVX2) development machine, 24 GiB, no GPU",
     ),
 }
 
-# H100 SXM5: the same datasheet figures as the H800 but for NVLink, which a single-device run does not use
+# H100 SXM5: the same datasheet figures as the H800 but for NVLink (full NVLink 4: the device reduce of data parallel)
 _H100 = {
     **_BUNDLED["h800"],
     "efficiency": dict(_HOPPER_EFFICIENCY),
+    "device_net_gbps": 360.0,
     "source": "datasheet: H100 SXM5 80 GB HBM3 3.35 TB/s, 989.5 TFLOPS dense bf16, PCIe Gen5 x16",
 }
 _BUNDLED = {"h800": _BUNDLED["h800"], "h100": _H100, **{k: v for k, v in _BUNDLED.items() if k != "h800"}}

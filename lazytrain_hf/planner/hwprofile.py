@@ -64,6 +64,10 @@ class HardwareProfile:
         shm_gbps: ``BW_shm`` in GB/s, host-to-host bandwidth between two ranks of one node (a copy through shared
             memory). Default 10: one core's memcpy between two processes' pages on a server (its memory bandwidth
             is shared with the optimizer); an assumed figure until measured.
+        device_net_gbps: ``BW_dev_net`` in GB/s, the bandwidth of a reduce between the devices of one node (NCCL over
+            NVLink or PCIe; on the CPU device gloo over host memory), as a unit's gradient reduced to its owner on the
+            device sees it (``Plan.dp_reduce == "device"``, `lazytrain_hf.planner.worldcost`). Default 12: two PCIe
+            Gen4 GPUs without peer-to-peer, through host memory; an assumed figure until measured.
     """
 
     name: str
@@ -86,6 +90,7 @@ class HardwareProfile:
     efficiency: dict[str, float] = field(default_factory=dict)
     net_gbps: float = 5.0
     shm_gbps: float = 10.0
+    device_net_gbps: float = 12.0
 
     def __post_init__(self) -> None:
         # json.load reads NaN and Infinity; a NaN rate would reach the solver as a NaN coefficient
@@ -101,6 +106,7 @@ class HardwareProfile:
             "cpu_optimizer_params_per_s",
             "net_gbps",
             "shm_gbps",
+            "device_net_gbps",
         ):
             value = getattr(self, name)
             if not _finite(value) or value <= 0:
@@ -195,6 +201,10 @@ class HardwareProfile:
     def shm_bytes_per_s(self) -> float:
         return self.shm_gbps * GB
 
+    @property
+    def device_net_bytes_per_s(self) -> float:
+        return self.device_net_gbps * GB
+
     def default_gpu_budget(self) -> int:
         """Device memory the planner may use when no budget is given: ``M_gpu`` minus a 10% reserve (allocator
         fragmentation, CUDA context, kernels' own workspaces)."""
@@ -258,4 +268,5 @@ _OPTIONAL_KEYS = (
     "efficiency",
     "net_gbps",
     "shm_gbps",
+    "device_net_gbps",
 )

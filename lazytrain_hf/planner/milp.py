@@ -25,6 +25,7 @@ import warnings
 from collections.abc import Sequence
 from typing import Any
 
+from . import dpreduce
 from .costmodel import CostModel
 from .formulation import build_milp, extract_plan, set_warm_start
 from .hardware import HardwareProfile, get_profile
@@ -356,7 +357,8 @@ def plan_for_model(
         world: the data-parallel world every rank runs the plan in (`lazytrain_hf.planner.world`; default one
             rank): the MILP plans with a rank's optimizer times (`worldcost.for_world`), ``host_budget`` is then
             each rank's pinned activation budget (`hostmem.rank_activation_budget` of the node's), and the plan
-            records the world and rank 0's ``bytes_per_step``.
+            records the world, where its gradients are reduced (``dp_reduce``: `dpreduce.decide`, the shorter
+            simulated step) and rank 0's ``bytes_per_step``.
     """
     t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
@@ -407,7 +409,7 @@ def plan_for_model(
         plan = solve(base, **kw)
         plan.model = name
         plan.state_nvme = sorted(int(k) for k in state_nvme)
-        return record_world(plan, base, world)
+        return record_world(dpreduce.decide(plan, base, world), base, world)
 
     cms: dict[int, CostModel] = {}
 
@@ -437,4 +439,5 @@ def plan_for_model(
     best.predicted["batch_sizes_tried"] = list(candidates)
     best.model = name
     best.state_nvme = sorted(int(k) for k in state_nvme)
-    return record_world(best, cm_at(best.micro_batch_size), world)
+    cm = cm_at(best.micro_batch_size)
+    return record_world(dpreduce.decide(best, cm, world), cm, world)

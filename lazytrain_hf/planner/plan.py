@@ -32,6 +32,9 @@ INPUT_TIERS: tuple[str, ...] = ("gpu", "cpu", "nvme")
 # Tier each policy needs (recompute: the tier of its input).
 POLICY_TIER: dict[str, str] = {"keep": "gpu", "offload_cpu": "cpu", "offload_nvme": "nvme"}
 
+# Where a data-parallel world reduces each unit's gradient to its owner (`Plan.dp_reduce`)
+DP_REDUCE: tuple[str, ...] = ("host", "device")
+
 PREDICTION_KEYS: tuple[str, ...] = ("step_time_s", "tflops", "tokens_per_s", "peak_gpu_bytes", "peak_host_bytes")
 
 
@@ -111,6 +114,11 @@ class Plan:
         world_size: ranks of the data-parallel world the plan was made for, every rank executes it
             (Note: [The training state is partitioned by unit] in `lazytrain_hf.planner.world`); 1: one process.
         nodes: machines those ranks run on, ``world_size // nodes`` on each.
+        dp_reduce: where a data-parallel world reduces each streamed unit's gradient to its owner, one of
+            `DP_REDUCE`: ``"host"`` (every rank copies it D2H, then gloo sums the fp32 copies into the owner's
+            accumulator) or ``"device"`` (summed on the devices into the owner's before the D2H copy, which only the
+            owner makes; Note: [Gradients reduced on the device skip the other ranks' D2H] in
+            streaming/gradients.py). Chosen by `lazytrain_hf.planner.dpreduce.decide`; plan files without it: host.
     """
 
     layers: list[LayerPlan]
@@ -128,6 +136,7 @@ class Plan:
     state_nvme: list[int] = field(default_factory=list)
     world_size: int = 1
     nodes: int = 1
+    dp_reduce: str = "host"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -171,6 +180,11 @@ class Plan:
             raise PlanError(
                 f"world_size={self.world_size}, nodes={self.nodes}: both must be >= 1 and world_size a multiple of "
                 "nodes (the same number of ranks on every node)."
+            )
+        if self.dp_reduce not in DP_REDUCE:
+            raise PlanError(
+                f"dp_reduce={self.dp_reduce!r} is not one of {DP_REDUCE}; write 'host' (gloo on the host copies) or "
+                "'device' (reduced on the devices before the D2H copy)."
             )
         if self.checkpoint_every < 1:
             raise PlanError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = per-layer policies).")
@@ -314,7 +328,11 @@ class Plan:
         rows.append(
             f"source={self.source} micro_batch_size={self.micro_batch_size} seq_len={self.seq_len} "
             f"hardware={self.hardware or '-'} stream_embeddings={self.stream_embeddings}"
-            + (f" world_size={self.world_size} nodes={self.nodes}" if self.world_size > 1 else "")
+            + (
+                f" world_size={self.world_size} nodes={self.nodes} dp_reduce={self.dp_reduce}"
+                if self.world_size > 1
+                else ""
+            )
         )
         if self.predicted:
             pred = ", ".join(

@@ -27,8 +27,11 @@ stage it is issued in), written from the executor's rules, which read the same `
   On the ``net`` lane: ``reduce``, the rank's fp32 gradient of each streamed unit another rank owns
   (``4 * train_elems``), sent to the owner every micro-batch when the unit's backward is complete (the stage of its
   D2H gradient); ``gather``, the compute copy of each unit owned on another node that this rank receives for its
-  node (`world.gather_receiver`), once per optimizer step after the owner's update. The state of a unit on NVMe is
-  in its owner's files: only the owner writes and reads its gradient there and runs its optimizer step's state I/O.
+  node (`world.gather_receiver`), once per optimizer step after the owner's update. With ``plan.dp_reduce ==
+  "device"`` a unit another rank owns is summed into the owner's device gradient instead (``reduce_device``, its
+  gradient bytes in their dtype, the stage of its backward), and this rank copies nothing of it D2H; the owner's D2H
+  stays. The state of a unit on NVMe is in its owner's files: only the owner writes and reads its gradient there and
+  runs its optimizer step's state I/O.
   With one rank there is no ``net`` traffic and `bytes_per_step` has no ``net`` key (the single-process trace and
   plan files are unchanged).
 
@@ -113,7 +116,7 @@ class Transfer:
         lane: one of `LANES`.
         what: ``fetch_fwd``, ``fetch_bwd``, ``fetch_rec`` (block recomputation), ``offload``, ``reload``,
             ``spill`` (NVMe write), ``unspill`` (NVMe read), ``grad``, ``upload``, ``state`` (a unit's state on
-            NVMe), ``reduce`` and ``gather`` (``net`` lane: a data-parallel world).
+            NVMe), ``reduce``, ``reduce_device`` and ``gather`` (``net`` lane: a data-parallel world).
         layer: decoder layer index, ``-1`` for the embedding unit, ``L`` for the head unit, ``None`` for the
             parameters that are not streamed.
         stage: the stage the executor issues it in (``F_i = i``, ``H = L``, ``B_i = 2L - i``, ``2L + 1`` = after
@@ -163,6 +166,7 @@ def step_transfers(
     on_nvme = set(plan.state_nvme)
     multi = world.world_size > 1
     owner = unit_owners_of(plan, sizes, world) if multi else {}
+    on_device = multi and plan.dp_reduce == "device"
 
     def unit_of(layer: int | None) -> UnitBytes | None:
         if layer is None:
@@ -178,8 +182,15 @@ def step_transfers(
             return
         if layer in on_nvme and lane == "h2d" and what.startswith("fetch"):
             out.append(Transfer("nvme_read", what, layer, int(n), stage, per_step))  # the compute copy from NVMe
+        remote = multi and lane == "d2h" and what == "grad" and layer is not None
+        remote = remote and owner.get(layer, -1) not in (-1, rank)
+        if remote and on_device:
+            # Note: [Gradients reduced on the device skip the other ranks' D2H]: summed into the owner's device
+            # gradient when the unit's backward is complete, in its own dtype; this rank copies nothing D2H
+            out.append(Transfer("net", "reduce_device", layer, int(n), stage, peer=owner[layer]))
+            return
         out.append(Transfer(lane, what, layer, int(n), stage, per_step))
-        if multi and lane == "d2h" and what == "grad" and layer is not None and owner.get(layer, -1) not in (-1, rank):
+        if remote:
             # the owner accumulates this rank's gradient: sent when the unit's backward is complete
             out.append(Transfer("net", "reduce", layer, 4 * unit_of(layer).train_elems, stage, peer=owner[layer]))
             return

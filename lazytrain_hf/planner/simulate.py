@@ -23,6 +23,10 @@ what it depends on has finished:
   and updates the rank's own units at its share of the node's rate; a unit another rank owns is ready when its owner
   has updated it (`NetTimes.finish_times`), after the ``gather`` of its compute copy when the owner is on another
   node (on this rank's ``net`` lane when this rank receives it). The step of the world is its slowest rank's.
+  With ``plan.dp_reduce == "device"`` a unit's gradient is instead reduced on the devices on the ``net`` lane as
+  soon as its backward ends (`NetTimes.device_reduce_s`, on every rank), the owner's D2H copy follows it, the other
+  ranks copy nothing, and the next backward waits for it (the reduce is ordered on the compute stream,
+  Note: [Gradients reduced on the device skip the other ranks' D2H] in streaming/gradients.py).
 - On a profile with ``serial_lanes`` (the CPU device: copies are memcpy on the cores that compute) every transfer
   and the optimizer run on the compute lane, and the next step starts after the optimizer step.
 
@@ -123,6 +127,7 @@ def _label(what: str, layer: int | None, L: int) -> str:
         "upload": f"upload {name}",
         "state": f"state {name}",
         "reduce": f"reduce {name}",
+        "reduce_device": f"reduce dev {name}",
         "gather": f"gather {name}",
     }[what]
 
@@ -166,6 +171,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
         plan.stream_embeddings,
     )
     reduces = {t.layer: t for t in transfers if t.what == "reduce"}
+    reduces_dev = {t.layer: t for t in transfers if t.what == "reduce_device"}
+    on_device = multi and plan.dp_reduce == "device"
     gathers = {t.layer: t for t in transfers if t.what == "gather"}
     transfers = [t for t in transfers if t.lane != "net"]
     issued: dict[int, list] = {}
@@ -196,6 +203,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
 
     def move(t, ready: float) -> tuple[float, float]:
         lane = "compute" if serial else _LANE_OF[t.lane]
+        if t.what == "reduce_device":
+            return lanes.run(lane, ready, net.device_reduce_s(t.nbytes), _label(t.what, t.layer, L))
         rate = net.bandwidth(t.peer) if t.lane == "net" else bw[t.lane]
         return lanes.run(lane, ready, t.nbytes / rate, _label(t.what, t.layer, L))
 
@@ -203,13 +212,28 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
 
     def reduce_after(key: int, ready: float) -> None:
         """Send this rank's gradient of unit ``key`` to its owner once it is on the host (``ready``)."""
-        if not multi or owners.get(key, -1) < 0:
+        if not multi or on_device or owners.get(key, -1) < 0:
             return
         if key in reduces:
             start, _ = move(reduces[key], ready)
         else:  # this rank owns it: its peers send it when their earlier reduces are out, as this rank would
             start = max([ready] + [e for _, e in lanes.busy["net"]])
         arrived[key] = net.reduce_arrival(key, start)
+
+    def reduce_on_device(key: int, ready: float) -> float:
+        """``plan.dp_reduce == "device"``: the reduce of unit ``key``'s gradient on the devices, from ``ready`` (its
+        backward's end); returns when the owner's device gradient is complete (``ready`` when nothing is reduced)."""
+        if not on_device or owners.get(key, -1) < 0:
+            return ready
+        if key in reduces_dev:
+            _, e = move(reduces_dev[key], ready)
+        else:  # this rank owns it: the same reduce, received
+            n = units[key].grad
+            _, e = lanes.run(
+                "compute" if serial else "net", ready, net.device_reduce_s(n), _label("reduce_device", key, L)
+            )
+        arrived[key] = e + units[key].grad / bw["d2h"]  # on the owner's host after its D2H copy (ranks symmetric)
+        return e
 
     def held(i: int) -> int:
         """Device bytes layer i leaves after its forward until its backward (or its offload)."""
@@ -229,7 +253,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
         land: dict[tuple[str, int | None], float] = {}
         done: dict[tuple[str, int | None], float] = {}
         t = step_begin
-        grads_down = t
+        grads_down = hold = t
         for s in range(2 * L + 1):
             begin = t
             for tr in issued.get(s, []):
@@ -277,18 +301,20 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 start, end = lanes.run("compute", max(begin, land.get(("fetch_fwd", L), 0.0)), cm.head_s, "head")
                 alloc(start, cm.head_ws_bytes + cm.head_grad_bytes)
                 free(end, cm.head_ws_bytes)
+                reduced = hold = reduce_on_device(L, end)
                 for tr in after_compute.get((L, "H"), []):
-                    _, ge = move(tr, end)
+                    _, ge = move(tr, reduced)
                     done[("grad", L)] = ge
                     grads_down = max(grads_down, ge)
                     reduce_after(L, ge)
-                free(max(end, grads_down), cm.head_grad_bytes)
+                free(max(end, grads_down, reduced), cm.head_grad_bytes)
                 t = end
                 continue
             i = 2 * L - s  # ---- backward of layer i (recomputation included)
             lc, lp = cm.layers[i], plan.layers[i]
             # ... and B_i for the gradients of B_{i+2} (the head's for B_{L-2})
             need = [land.get(("fetch_bwd", i), 0.0), land.get(("reload", i), 0.0), done.get(("grad", i + 2), 0.0)]
+            need.append(hold)  # the previous unit's reduce on the devices (dp_reduce "device")
             dur = lc.bwd_s
             if K == 1 and lp.policy == "recompute":
                 dur += lc.fwd_s
@@ -311,16 +337,18 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 free(end, lc.input_bytes)
             if not lp.resident:
                 free(end, lc.weight_bytes)
-            g_end = end
+            g_end = hold = reduce_on_device(i, end)
             for tr in after_compute.get((i, "B"), []):
-                _, g_end = move(tr, end)
+                _, g_end = move(tr, hold)
                 done[("grad", i)] = g_end
                 reduce_after(i, g_end)
             free(g_end, lc.grad_bytes)
             grads_down = max(grads_down, g_end)
             t = end
+        reduced = reduce_on_device(-1, t)
+        grads_down = max(grads_down, reduced)
         for tr in after_compute.get((-1, "emb"), []):
-            _, ge = move(tr, t)
+            _, ge = move(tr, reduced)
             grads_down = max(grads_down, ge)
             reduce_after(-1, ge)
         # ---- optimizer step: once every gradient is on the host (the global norm), in the updater's order

@@ -5,7 +5,9 @@ step is the time of its owned units at its share of the node's optimizer rate (`
 and a unit is ready for the next forward when its owner has updated it, plus the ``gather`` of its compute copy on
 the nodes the owner is not on. Gradients cross the ``net`` lane (`lazytrain_hf.planner.schedule`): a ``reduce`` to
 an owner on the same node goes through shared memory (``BW_shm``, per rank), to another node over the node's link
-(``BW_net``), which its ranks share (they send at the same time in a symmetric step).
+(``BW_net``), which its ranks share (they send at the same time in a symmetric step). With ``Plan.dp_reduce ==
+"device"`` a ``reduce_device`` sums the unit's gradient into the owner's on the devices (``BW_dev_net``,
+`NetTimes.device_reduce_s`) before the owner's D2H copy.
 
 - `NetTimes`: the ``net`` lane's bandwidth per transfer, when a unit's gradients from every rank have reached its
   owner, and when each owner finishes each unit (all ranks start their optimizer step together), for
@@ -74,6 +76,16 @@ class NetTimes:
         local = n / self.shm if w.local_world_size > 1 else 0.0
         remote = (w.world_size - w.local_world_size) * n / self.cm.hardware.net_bytes_per_s
         return ready + max(local, remote)
+
+    def device_reduce_s(self, nbytes: int) -> float:
+        """Seconds of a unit's reduce to its owner on the devices (``Plan.dp_reduce == "device"``; Note: [Gradients
+        reduced on the device skip the other ranks' D2H] in streaming/gradients.py): ``nbytes`` (the gradient in its
+        dtype) over the node's device interconnect (``BW_dev_net``, NCCL's bus bandwidth: a reduce moves about its
+        message size per rank whatever the number of ranks), plus once over the nodes' link when the world spans
+        several (the partial sums of the other nodes; an assumed bound, NCCL over InfiniBand is faster than gloo)."""
+        hw = self.cm.hardware
+        t = nbytes / hw.device_net_bytes_per_s
+        return t + (nbytes / hw.net_bytes_per_s if self.world.nodes > 1 else 0.0)
 
     def unit_optimizer_s(self, key: int) -> float:
         """The owner's optimizer seconds for unit ``key`` at the rank's rate (its state I/O where that is longer)."""

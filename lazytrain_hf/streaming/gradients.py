@@ -45,6 +45,26 @@ Note: [Partitioned gradients are reduced to their owner every micro-batch]
     host, Note: [Squared norms of accumulated gradients]); a non-owner takes none. Every rank completes its units
     in the same order, so the reduces pair up. Each non-owner's reduce is recorded in the trace on the lane ``net``
     as ``reduce`` with the unit's fp32 gradient bytes. Tests: ``tests/test_trainer_ddp.py``.
+
+Note: [Gradients reduced on the device skip the other ranks' D2H]
+    With the plan's ``dp_reduce == "device"`` (`lazytrain_hf.planner.dpreduce`; the trainer then sets
+    ``owner_device_reducer``) a unit's gradients are reduced to its owner where they are complete, on the device,
+    before anything crosses PCIe: when the unit's backward is complete every rank calls ``owner_device_reducer(unit,
+    grads, owner)`` on its device gradients (one tensor per trainable parameter in a fixed order, zeros where a
+    parameter got none, as for the replicated ``grad_reducer``), which sums them into the owner's in place and
+    divides the owner's by the world size (NCCL on CUDA, gloo on the CPU device: the same code path). The owner then
+    goes on exactly as one process does with the rank mean of this micro-batch (its D2H copy into its accumulator,
+    the norm on the device when the micro-batch is the first and last of the step, else on the host: Note: [Squared
+    norms of accumulated gradients]); no host reduce follows. Any other rank copies nothing of the unit D2H (no
+    staging, no host reduce): its trace has no ``d2h`` bytes for that unit and records the reduce on the lane ``net``
+    as ``reduce_device`` with the unit's gradient bytes in their dtype. The reduce runs every micro-batch (a
+    non-owner has no accumulator), on the thread that runs the backward, in the compute stream's order: on CUDA a
+    synchronous NCCL call makes the current (compute) stream wait for the reduce, so the owner's D2H copy, recorded
+    after it on that stream, copies the reduced gradient, and the next layer's backward starts after it (the
+    simulator replays that); the non-owners' gradients are dropped behind it (NCCL records its use of them on its
+    stream). With bf16 gradients the sum is taken in bf16, as DDP does, where the host path sums fp32 copies. Every
+    rank completes its units in the same order, so the reduces pair up. Tests: ``tests/test_trainer_ddp.py``
+    (``dp_reduce="device"``).
 """
 
 from __future__ import annotations
@@ -135,6 +155,8 @@ class GradientSink:
     # Note: [Partitioned gradients are reduced to their owner every micro-batch]: owner_grad_reducer(unit, flat,
     # owner, last), set with `unit_owners`
     owner_grad_reducer: Callable[[int, torch.Tensor, int, bool], None] | None = None
+    # Note: [Gradients reduced on the device skip the other ranks' D2H]: owner_device_reducer(unit, grads, owner)
+    owner_device_reducer: Callable[[int, list[torch.Tensor], int], None] | None = None
     # norm passes taken so far: over device gradients, over host accumulators (Note: [Squared norms of accumulated
     # gradients]); read after `synchronize`
     device_norm_passes: int = 0
@@ -155,13 +177,18 @@ class GradientSink:
         st.completed = True
         self._account()  # the layer's device gradients are all there now: the backward high-water mark
         ls = st.store
+        on_device = ls is not None and self._reduce_on_device(i, ls)
         if ls is not None and ls.remote:
-            self._complete_remote(i, ls)  # Note: [Partitioned gradients are reduced to their owner every micro-batch]
+            if on_device:  # Note: [Gradients reduced on the device skip the other ranks' D2H]
+                self.sq_norms.pop(i, None)
+                self._run_callbacks(i)
+            else:
+                self._complete_remote(i, ls)  # Note: [Partitioned gradients are reduced to their owner every ...]
             self._drop_device_grads(st)
         elif ls is not None and ls.grad is not None:
             fresh = not ls.has_grad
             last = self._is_last_micro_batch()
-            to_owner = self.owner_grad_reducer is not None
+            to_owner = self.owner_grad_reducer is not None and not on_device
             reduce = to_owner or (last and self.host_grad_reducer is not None)
             spilled = self._spilled(i)
             if spilled:
@@ -208,6 +235,26 @@ class GradientSink:
         self._release(i)
         if i == self.head_key and self._tied:
             self._release(self.embed_key)  # the lm_head's use of the tied weight is over too
+
+    def _reduce_on_device(self, i: int, ls) -> bool:
+        """Note: [Gradients reduced on the device skip the other ranks' D2H]
+        Reduce unit ``i``'s complete device gradients to its owner when the plan says so; whether it did."""
+        owners = getattr(self, "unit_owners", None)
+        if self.owner_device_reducer is None or owners is None or owners.get(i, -1) < 0:
+            return False
+        grads = []
+        for e in ls.trainable_entries:
+            if e.param.grad is None:
+                e.param.grad = torch.zeros_like(e.param)  # e.g. an expert no local token reached: it takes part
+            grads.append(e.param.grad)
+        if not grads:
+            return False
+        owner = owners[i]
+        self.owner_device_reducer(i, grads, owner)
+        if owner != self.rank:
+            nbytes = sum(g.numel() * g.element_size() for g in grads)
+            self.trace.transfer("net", nbytes, grads[0].dtype, i, "reduce_device")
+        return True
 
     def _written_back(self) -> dict[int, threading.Event]:
         """Per unit whose state is on NVMe: an event set once its last gradient window was written back."""

@@ -146,6 +146,10 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         # on a unit's flat fp32 gradient (the owner's accumulator, another rank's staging): sums it into the owner's
         # (Note: [Partitioned gradients are reduced to their owner every micro-batch] in gradients.py)
         self.owner_grad_reducer: Callable[[int, torch.Tensor, int, bool], None] | None = None
+        # With `unit_owners` and the plan's dp_reduce == "device": called as owner_device_reducer(unit, grads, owner)
+        # on every rank on a unit's complete device gradients, before any D2H copy (Note: [Gradients reduced on the
+        # device skip the other ranks' D2H] in gradients.py); replaces owner_grad_reducer
+        self.owner_device_reducer: Callable[[int, list[torch.Tensor], int], None] | None = None
         # whether the micro-batch in progress is the last of its optimizer step (bool or a callable): only then are
         # host norms taken and accumulators reduced (gradients.py); standalone use: every backward is a step
         self.last_micro_batch: bool | Callable[[], bool] = True

@@ -6,7 +6,9 @@
 
 - a unit's gradients summed into its owner's accumulator (`reduce_to_owner`, every micro-batch, on the executor's
   worker thread: Note: [Partitioned gradients are reduced to their owner every micro-batch] in
-  streaming/gradients.py);
+  streaming/gradients.py), or, with the plan's ``dp_reduce == "device"``, into the owner's device gradients before
+  its D2H copy (`reduce_on_device`, on the thread that runs the backward: Note: [Gradients reduced on the device skip
+  the other ranks' D2H]);
 - the global gradient norm from the per-unit squared norms, each known only on its owner (`global_grad_norm`: Note:
   [The global norm of a partitioned state]);
 - the resident parameters' device gradients averaged over the ranks (`reduce_resident`; every rank updates them);
@@ -91,6 +93,8 @@ class PartitionedDataParallel:
         world_size / rank: ranks in all, this process's; ``owners``: `unit_owners_of`.
         data_nbytes: bytes of every unit's compute copy (`node_copy_bytes`); ``pin``: page-lock the node copy.
         local_world_size: ranks per node (``LOCAL_WORLD_SIZE`` of `torch.distributed.run` by default).
+        dp_reduce: the plan's ``dp_reduce``; ``"device"`` creates the device group (`reduce_on_device`) on
+            ``device``: NCCL on CUDA, gloo on the CPU device.
     """
 
     def __init__(
@@ -101,6 +105,8 @@ class PartitionedDataParallel:
         data_nbytes: int,
         pin: bool = False,
         local_world_size: int | None = None,
+        dp_reduce: str = "host",
+        device: torch.device | str = "cpu",
     ):
         import torch.distributed as dist
 
@@ -124,6 +130,17 @@ class PartitionedDataParallel:
             for lr in range(lw):
                 ranks = [n * lw + lr for n in range(self.world.nodes)]
                 self.local_groups.append(dist.new_group(ranks, backend="gloo", timeout=timeout))
+        # Note: [Gradients reduced on the device skip the other ranks' D2H]: the backward's thread's group, on the
+        # devices (NCCL on CUDA; gloo on the CPU device, the same code path)
+        self.device_group = None
+        if dp_reduce == "device":
+            backend = "nccl" if torch.device(device).type == "cuda" else "gloo"
+            if backend == "nccl" and not dist.is_nccl_available():
+                raise ValueError(
+                    "dp_reduce='device' on CUDA needs NCCL, which this PyTorch build lacks; pass "
+                    "planner_dp_reduce='host' (gloo on the host copies) or install a CUDA build of PyTorch."
+                )
+            self.device_group = dist.new_group(backend=backend, timeout=timeout)
         run_id = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(run_id, src=0, group=self.norm_group)
         self.node_copy = NodeCopy(
@@ -147,7 +164,15 @@ class PartitionedDataParallel:
 
         owners = unit_owners_of(model, plan, args.world_size)
         nbytes = node_copy_bytes(model, plan, compute_dtype)
-        return cls(args.world_size, args.process_index, owners, nbytes, pin_host_memory(args.device))
+        return cls(
+            args.world_size,
+            args.process_index,
+            owners,
+            nbytes,
+            pin_host_memory(args.device),
+            dp_reduce=plan.dp_reduce,
+            device=args.device,
+        )
 
     def attach_kwargs(self) -> dict[str, Any]:
         """What `lazytrain_hf.streaming.attach` takes to build this rank's partition of the host store."""
@@ -161,6 +186,8 @@ class PartitionedDataParallel:
         """Send the executor's completed gradients to their owners (Note: [Partitioned gradients are reduced to their
         owner every micro-batch] in streaming/gradients.py)."""
         handle.owner_grad_reducer = self.reduce_to_owner
+        if self.device_group is not None:
+            handle.owner_device_reducer = self.reduce_on_device
 
     def close(self) -> None:
         if self.node_copy is not None:
@@ -177,6 +204,19 @@ class PartitionedDataParallel:
         dist.reduce(flat, dst=owner, op=dist.ReduceOp.SUM, group=self.grad_group)
         if last and owner == self.rank:
             flat.div_(self.world.world_size)
+        self.reductions[unit] = self.reductions.get(unit, 0) + 1
+
+    def reduce_on_device(self, unit: int, grads: list[torch.Tensor], owner: int) -> None:
+        """Sum every rank's device gradients ``grads`` of ``unit`` into the owner's, in place, and divide the owner's
+        by the world size (the rank mean of this micro-batch; the owner's accumulator sums the micro-batches). Note:
+        [Gradients reduced on the device skip the other ranks' D2H] in streaming/gradients.py."""
+        import torch.distributed as dist
+
+        for g in grads:
+            dist.reduce(g, dst=owner, op=dist.ReduceOp.SUM, group=self.device_group)
+        if owner == self.rank:
+            for g in grads:
+                g.div_(self.world.world_size)
         self.reductions[unit] = self.reductions.get(unit, 0) + 1
 
     def reduce_resident(self, handle) -> None:

@@ -162,7 +162,34 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     plan.loss_chunk_tokens = a.stream_loss_chunk_tokens
     plan.stream_embeddings = plan.stream_embeddings or a.stream_embeddings
     plan.model = plan.model or config.model_type
+    set_dp_reduce(plan, a, cm)
     return plan, cm
+
+
+def world_of(args: Any):
+    """The data-parallel world this process runs in: ``args.world_size`` ranks, ``LOCAL_WORLD_SIZE`` per node."""
+    from ..planner.world import World
+
+    world_size = max(1, int(getattr(args, "world_size", 1) or 1))
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) or world_size
+    return World(world_size, max(1, world_size // local))
+
+
+def set_dp_reduce(plan, args: Any, cost_model=None) -> None:
+    """``plan.dp_reduce`` for a data-parallel run: ``args.planner_dp_reduce`` when it names one (``"host"`` /
+    ``"device"``, on every rank alike); with ``"auto"`` the planner's choice for this world (`dpreduce.decide`, the
+    shorter simulated step) when ``cost_model`` is given (rank 0, after solving), else what the plan says (a plan file,
+    a checkpoint's plan, the plan rank 0 broadcast; ``"host"`` for the default plan). One process: unchanged."""
+    from ..planner import dpreduce
+
+    world = world_of(args)
+    if world.world_size <= 1:
+        return
+    choice = getattr(args, "planner_dp_reduce", "auto")
+    if choice != "auto":
+        plan.dp_reduce = choice
+    elif cost_model is not None:
+        dpreduce.decide(plan, cost_model, world)
 
 
 def predict_bytes(
@@ -200,10 +227,11 @@ def predict_bytes(
         min_8bit_size=int(getattr(args, "optim_min_8bit_size", 4096)),
     )
     # the world this process runs in: the plan records it, and the bytes are this rank's (Note: [The training state
-    # is partitioned by unit] in planner/world.py; the trace of each rank shows its own reduces and gathers)
-    world_size = max(1, int(getattr(args, "world_size", 1) or 1))
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) or world_size
-    plan.world_size, plan.nodes = world_size, max(1, world_size // local)
+    # is partitioned by unit] in planner/world.py; the trace of each rank shows its own reduces and gathers), with the
+    # gradients reduced where planner_dp_reduce says (Note: [Gradients reduced on the device skip the other ranks' D2H])
+    world = world_of(args)
+    plan.world_size, plan.nodes = world.world_size, world.nodes
+    set_dp_reduce(plan, args)
     rank = int(getattr(args, "process_index", 0) or 0)
     out = schedule.bytes_per_step(plan, sizes, max(1, int(args.gradient_accumulation_steps)), plan.world, rank)
     from ..streaming.trace import LANES

@@ -36,6 +36,7 @@ def main() -> None:
     p.add_argument("--state-nvme", default=None, help="state_nvme_dir (every streamed unit's state there)")
     p.add_argument("--stream-embeddings", action="store_true")
     p.add_argument("--bf16", action="store_true", help="bf16 compute copy of the fp32 model (fp32 masters)")
+    p.add_argument("--dp-reduce", default=None, help="planner_dp_reduce (auto, host, device)")
     a = p.parse_args()
 
     from safetensors.torch import save_file
@@ -63,6 +64,8 @@ def main() -> None:
         extra.update(stream_embeddings=True)
     if a.bf16:
         extra.update(bf16=True)
+    if a.dp_reduce:
+        extra.update(planner_dp_reduce=a.dp_reduce)
     trainer = make_trainer(
         os.path.join(a.out, "run"),
         max_steps=a.max_steps,
@@ -118,13 +121,18 @@ def main() -> None:
                 stats["compute_in_node_copy"] = all(lo <= t.data_ptr() < hi for t in shared)
                 stats["node_copy_bytes"] = nc.data_nbytes
             # the trace's lane "net" per completed step, by kind (reduce, gather)
-            stats["net"] = []
+            # and the D2H gradient bytes per unit per step (keys: str(unit))
+            stats["net"], stats["d2h_grad"] = [], []
             for step in handle.trace.steps:
                 kinds: dict[str, int] = {}
+                d2h: dict[str, int] = {}
                 for t in step.get("transfers", []):
                     if t["lane"] == "net":
                         kinds[t["what"]] = kinds.get(t["what"], 0) + t["bytes"]
+                    if t["lane"] == "d2h" and t["what"] == "grad":
+                        d2h[str(t["layer"])] = d2h.get(str(t["layer"]), 0) + t["bytes"]
                 stats["net"].append(kinds)
+                stats["d2h_grad"].append(d2h)
             # Note: [The trace is the planner's referee]: every lane of every traced step, this rank's
             stats["trace_bytes"] = [dict(step["bytes"]) for step in handle.trace.steps]
             if handle.nvme_state is not None:
