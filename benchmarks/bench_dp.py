@@ -1,6 +1,6 @@
 """Data parallel on one node: host memory and CPU optimizer time of 1, 2 and 4 ranks training one model, side by side.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py                  # ~285M-parameter Qwen3, 1 / 2 / 4 ranks
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py                  # ~650M-parameter Qwen3, 1 / 2 / 4 ranks
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py --tiny --procs 1,2   # ~6M parameters, a minute
 
 Every configuration is a fresh `torch.distributed.run --standalone --nproc_per_node N` launch (gloo, one thread per
@@ -49,11 +49,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 RESULT_PREFIX = "BENCH_DP_RESULT "
 
-# ~285M parameters: an untied 65536 x 1024 embedding and head (134M) and 12 layers of hidden 1024 (151M), so that
-# the ~400 MiB each process carries before it holds any state (torch, transformers, datasets) is not most of a rank
+# ~650M parameters: an untied 32768 x 1536 embedding and head (101M) and 20 layers of hidden 1536 (551M), so that
+# what each process carries before it holds any state (torch, transformers, datasets: the "process" column) is small
+# beside the training state, as it is for the models the product is for; short sequences (``--seq 16``) keep the
+# compute of four ranks on two cores to minutes while the state is that of the whole model
 BASE = dict(
-    model_type="qwen3", hidden_size=1024, intermediate_size=3072, num_hidden_layers=12, num_attention_heads=8,
-    num_key_value_heads=4, head_dim=128, vocab_size=65536, max_position_embeddings=2048, tie_word_embeddings=False,
+    model_type="qwen3", hidden_size=1536, intermediate_size=4608, num_hidden_layers=20, num_attention_heads=12,
+    num_key_value_heads=4, head_dim=128, vocab_size=32768, max_position_embeddings=2048, tie_word_embeddings=False,
     rms_norm_eps=1e-6, rope_theta=1e6,
 )
 TINY = dict(BASE, hidden_size=128, intermediate_size=384, num_hidden_layers=4, num_attention_heads=4,
@@ -147,6 +149,7 @@ def worker(a) -> None:
         max_steps=a.steps, learning_rate=1e-4, logging_steps=1, report_to=[], seed=0, data_seed=0, use_cpu=True,
         save_strategy="no", planner_hardware="cpu", planner_policy="default", planner_warmup_steps=1,
         dataloader_drop_last=True, stream_trace_steps=2, stream_embeddings=not a.resident_embeddings,
+        planner_dp_reduce=a.dp_reduce,
     )
     trainer = LazyTrainer(model=model, args=args, train_dataset=data, callbacks=[Probe()])
     box["trainer"] = trainer
@@ -165,6 +168,26 @@ def worker(a) -> None:
     print(RESULT_PREFIX + json.dumps(out), flush=True)
 
 
+def baseline_worker() -> None:
+    """A process that imports what a rank imports and holds nothing else: its PSS is what every rank carries before
+    any training state (printed after `RESULT_PREFIX`)."""
+    import datasets  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    from lazytrain_hf import LazyTrainer, LazyTrainingArguments  # noqa: F401
+
+    print(RESULT_PREFIX + json.dumps(dict(peak_pss=_pss_kib() * 1024)), flush=True)
+
+
+def process_baseline(a) -> int:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--baseline"], capture_output=True, text=True,
+                          env=env, timeout=a.timeout, check=True)
+    line = next(x for x in proc.stdout.splitlines() if x.startswith(RESULT_PREFIX))
+    return json.loads(line[len(RESULT_PREFIX):])["peak_pss"]
+
+
 def launch(a, procs: int) -> list[dict]:
     """One `torch.distributed.run` launch of ``procs`` ranks; each rank's figures."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([ROOT, HERE]))
@@ -172,7 +195,8 @@ def launch(a, procs: int) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(procs),
            os.path.abspath(__file__), "--worker", "--checkpoint", a.checkpoint, "--out", a.out,
            "--global-batch", str(a.global_batch), "--steps", str(a.steps), "--seq", str(a.seq),
-           "--vocab", str(a.vocab)] + (["--resident-embeddings"] if a.resident_embeddings else [])
+           "--vocab", str(a.vocab), "--dp-reduce", a.dp_reduce] + (
+               ["--resident-embeddings"] if a.resident_embeddings else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{procs} ranks failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -209,13 +233,17 @@ def summarise(runs: list[list[dict]]) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--baseline", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--checkpoint", help=argparse.SUPPRESS)
     p.add_argument("--out", help=argparse.SUPPRESS)
     p.add_argument("--procs", default="1,2,4", help="rank counts, comma separated (default 1,2,4)")
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--reps", type=int, default=1)
     p.add_argument("--global-batch", type=int, default=4)
-    p.add_argument("--seq", type=int, default=128)
+    p.add_argument("--seq", type=int, default=16)
+    p.add_argument("--dp-reduce", default="device", choices=["auto", "host", "device"],
+                   help="planner_dp_reduce: where gradients are reduced to their owner (default device: before D2H, "
+                        "so a rank stages only its own units' gradients)")
     p.add_argument("--vocab", type=int, default=None)
     p.add_argument("--resident-embeddings", action="store_true",
                    help="keep the embedding and head resident (replicated on every rank) instead of streamed units")
@@ -226,6 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     if a.worker:
         worker(a)
+        return 0
+    if a.baseline:
+        baseline_worker()
         return 0
     sys.path.insert(0, HERE)
     import torch
@@ -249,13 +280,21 @@ def main(argv: list[str] | None = None) -> int:
     rows = [summarise(runs[n]) for n in procs]
     base = rows[0]
     mib = 1 << 20
+    floor = process_baseline(a)
+    for r in rows:
+        r["process_pss"] = floor
+        r["state_sum"] = r["host_sum"] - r["procs"] * floor
+    print(f"# process: {floor / mib:.0f} MiB PSS in a process that only imports what a rank imports; 'host' is PSS "
+          f"less the executor's accounted device bytes (the CPU device's memory is this RAM); 'state' is host less "
+          f"one process figure per rank")
     print(f"{'ranks':>5} {'RSS/rank':>9} {'RSS sum':>9} {'PSS/rank':>9} {'PSS sum':>9} {'x1':>6} {'host sum':>9} "
-          f"{'x1':>6} {'opt/rank s':>10} {'x1':>6} {'opt cpu s':>9} {'x1':>6} {'step s':>7} {'units/rank':>12}  "
+          f"{'x1':>6} {'state sum':>9} {'x1':>6} {'opt/rank s':>10} {'x1':>6} {'opt cpu s':>9} {'x1':>6} {'step s':>7} {'units/rank':>12}  "
           f"bytes per lane (rank 0)")
     for r in rows:
         print(f"{r['procs']:>5} {r['rss_max'] / mib:>8.0f}M {r['rss_sum'] / mib:>8.0f}M {r['pss_max'] / mib:>8.0f}M "
               f"{r['pss_sum'] / mib:>8.0f}M {r['pss_sum'] / base['pss_sum']:>6.2f} {r['host_sum'] / mib:>8.0f}M "
-              f"{r['host_sum'] / base['host_sum']:>6.2f} {r['opt_max']:>10.3f} {r['opt_max'] / base['opt_max']:>6.2f} "
+              f"{r['host_sum'] / base['host_sum']:>6.2f} {r['state_sum'] / mib:>8.0f}M "
+              f"{r['state_sum'] / base['state_sum']:>6.2f} {r['opt_max']:>10.3f} {r['opt_max'] / base['opt_max']:>6.2f} "
               f"{r['opt_cpu_max']:>9.3f} {r['opt_cpu_max'] / base['opt_cpu_max']:>6.2f} {r['step']:>7.2f} "
               f"{str(r['units']):>12}  { {k: v for k, v in r['lanes'].items() if v} }")
     if a.json:
