@@ -9,19 +9,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers.dp_launch import HELPERS, env, run_ranks, run_two_nodes
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lazytrain_hf.training.checkpoints import verify_checkpoint
 from lazytrain_hf.training.partition_files import layout_name, partition_name
 
-HERE = os.path.dirname(__file__)
-SCRIPT = os.path.join(HERE, "helpers", "dp_checkpoint.py")
+SCRIPT = os.path.join(HELPERS, "dp_checkpoint.py")
 # A resume at another world size runs the steps after the checkpoint with another split of the global batch: one
 # process sums 4 sequences' gradients in one matmul, two ranks 2 + 2 and a reduce, so the fp32 summation order
 # differs (~1e-7 relative) and the 8-bit moments may round one quantisation step apart: the data-parallel tolerances
@@ -31,17 +29,8 @@ LOSS_RTOL = 1e-5
 TIMEOUT_S = 900  # per launch: far above a run's ~1-2 min, so a hang fails instead of blocking the suite
 
 
-def _env(**extra: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]), OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    env.update(extra)
-    return env
-
-
-def _launch(out, nproc: int, *args: str, check: bool = True, env: dict | None = None):
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd = (head if nproc > 1 else [sys.executable]) + [SCRIPT, "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or _env(), timeout=TIMEOUT_S)
+def _launch(out, nproc: int, *args: str, check: bool = True, environ: dict | None = None):
+    proc = run_ranks(SCRIPT, out, nproc, *args, environ=environ, timeout=TIMEOUT_S)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return proc
@@ -199,6 +188,49 @@ def test_partitioned_state_on_nvme_resumes_bit_exact(tmp_path):
         assert torch.equal(got[k], ref[k]), k
 
 
+def _launch_two_nodes(out, *args: str) -> None:
+    launches = run_two_nodes(SCRIPT, "--out", str(out), *args, timeout=TIMEOUT_S)
+    assert [rc for rc, _ in launches] == [0, 0], "\n".join(log[-3000:] for _, log in launches)
+
+
+@pytest.mark.slow
+def test_two_nodes_checkpoint_resumes_bit_exact_and_matches_one_node(tmp_path):
+    """Two ``torch.distributed.run --nnodes 2`` launches on localhost, one rank each (each node its own compute copy
+    in shared memory; units owned on the other node arrive by broadcast), bf16 compute of the fp32 tiny qwen3: rank
+    0 receives the fp32 masters of node 1's units for model.safetensors. The checkpoints hold both partitions and
+    verify; checkpoint-2 resumes bit-exact on two nodes again and on one node (2 ranks of one torch.distributed.run:
+    the same world, so the same operations in the same order); the one-node resume's checkpoint-4 model.safetensors
+    has the two-node file's header and tensors, bit for bit."""
+    straight = tmp_path / "nodes"
+    _launch_two_nodes(straight, "--bf16")
+    ckpt2, ckpt4 = straight / "run" / "checkpoint-2", straight / "run" / "checkpoint-4"
+    for ckpt in (ckpt2, ckpt4):
+        _assert_partitioned(ckpt, 2)
+        verify_checkpoint(str(ckpt))
+    ref, ref_info = _result(straight)
+    ref1, _ = _result(straight, 1)
+    for k in ref:
+        assert torch.equal(ref[k], ref1[k]), f"{k} differs between the nodes"
+    weights = load_file(ckpt4 / "model.safetensors")
+    for k, v in weights.items():
+        assert v.dtype == torch.float32 and torch.equal(v, ref[k]), k  # the fp32 masters, node 1's units included
+
+    resumed = tmp_path / "nodes_resumed"
+    _launch_two_nodes(resumed, "--bf16", "--resume", str(ckpt2))
+    one_node = tmp_path / "one_node_resumed"
+    _launch(one_node, 2, "--bf16", "--resume", str(ckpt2))
+    for out in (resumed, one_node):
+        got, info = _result(out)
+        assert info["global_step"] == 4 and info["losses"] == ref_info["losses"][2:], (out.name, info)
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), f"{k} differs after the resume ({out.name})"
+    one_file = one_node / "run" / "checkpoint-4" / "model.safetensors"
+    assert _header(one_file) == _header(ckpt4 / "model.safetensors")
+    one_weights = load_file(one_file)
+    for k in weights:
+        assert torch.equal(one_weights[k], weights[k]), k
+
+
 # --------------------------------------------------------------------------- faults
 def _shm_of_runs() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("lazytrain-")} if os.path.isdir("/dev/shm") else set()
@@ -210,7 +242,7 @@ def _killed_run(tmp_path, where: str):
     shm_before = _shm_of_runs()
     run = tmp_path / "killed"
     proc = _launch(
-        run, 2, check=False, env=_env(DP_TEST_KILL=where, DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="60")
+        run, 2, check=False, environ=env(DP_TEST_KILL=where, DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="60")
     )
     text = proc.stdout + proc.stderr
     print(text[-3000:])
@@ -267,8 +299,8 @@ def test_rank_that_stops_answering_ends_the_run_after_the_timeout(tmp_path):
     group of the partitioned run ends after LAZYTRAIN_DP_TIMEOUT_S=20 s and its error names the timeout and the
     stopped rank; the launch ends (torch.distributed.run then kills the stopped rank), checkpoint-2 is intact."""
     run = tmp_path / "hung"
-    env = _env(DP_TEST_KILL="hang-step", DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="20")
-    proc = _launch(run, 2, check=False, env=env)
+    environ = env(DP_TEST_KILL="hang-step", DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="20")
+    proc = _launch(run, 2, check=False, environ=environ)
     text = proc.stdout + proc.stderr
     print(text[-3000:])
     assert proc.returncode != 0
