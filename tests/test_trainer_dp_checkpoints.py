@@ -102,13 +102,65 @@ def test_refusals_name_the_option():
 
     from lazytrain_hf.training.partitions import check_partitioned_args
 
-    args = SimpleNamespace(save_strategy="steps", save_on_each_node=True, world_size=2)
+    args = SimpleNamespace(save_strategy="steps", save_on_each_node=True, world_size=2, ddp_timeout=1800)
     with pytest.raises(ValueError, match="save_on_each_node=True .* set save_on_each_node=False"):
         check_partitioned_args(args, torch.nn.Linear(2, 2))
     args.save_on_each_node = False
     with pytest.raises(ValueError, match="save_strategy='steps' .* Linear .* set save_strategy='no'"):
         check_partitioned_args(args, torch.nn.Linear(2, 2))
-    check_partitioned_args(SimpleNamespace(save_strategy="no", save_on_each_node=True, world_size=2), None)
+    check_partitioned_args(
+        SimpleNamespace(save_strategy="no", save_on_each_node=True, world_size=2, ddp_timeout=1800), None
+    )
+
+
+@pytest.fixture
+def timeout_default(monkeypatch):
+    """The process's data-parallel timeout default (`configure_timeout` sets it) restored after the test, and
+    LAZYTRAIN_DP_TIMEOUT_S unset."""
+    from lazytrain_hf.streaming import nodecopy
+
+    monkeypatch.setattr(nodecopy, "_default_timeout", nodecopy._default_timeout)
+    monkeypatch.delenv(nodecopy.TIMEOUT_ENV, raising=False)
+    return monkeypatch
+
+
+def test_timeout_follows_ddp_timeout(timeout_default):
+    """Note: [One timeout for the ranks' collectives]: with LAZYTRAIN_DP_TIMEOUT_S unset, the gloo groups of a
+    partitioned run and the node copy's waits time out after TrainingArguments.ddp_timeout, and the messages say
+    to raise ddp_timeout; the variable may shorten it (the hung-rank test uses 20 s), never lengthen it."""
+    import datetime
+    from types import SimpleNamespace
+
+    from lazytrain_hf import LazyTrainingArguments
+    from lazytrain_hf.planner.world import World
+    from lazytrain_hf.streaming.nodecopy import TIMEOUT_ENV, NodeCopy, WaitTimeoutError, dp_timeout_s
+    from lazytrain_hf.training.partitions import check_partitioned_args, configure_timeout, group_timeout
+
+    args = LazyTrainingArguments(output_dir="unused", ddp_timeout=1234, use_cpu=True, report_to=[])
+    assert configure_timeout(args) == 1234
+    assert dp_timeout_s() == 1234 and group_timeout() == datetime.timedelta(seconds=1234)
+    check_partitioned_args(SimpleNamespace(save_strategy="no", save_on_each_node=False, world_size=2,
+                                           ddp_timeout=0.25), None)  # fmt: skip
+    assert dp_timeout_s() == 0.25  # train() sets it before any group is created
+    # a wait for a unit owned on another node that never arrives: after ddp_timeout, naming it
+    run_id = f"test-{os.getpid()}-timeout"
+    nc = NodeCopy(run_id, World(world_size=2, nodes=2), 0, 4096, 1, lambda: None, pin=False)
+    try:
+        with pytest.raises(WaitTimeoutError, match=r"waited 0.25 s .* raise ddp_timeout \(seconds, now 0.25\)"):
+            nc.wait(0, 1, owner_rank=1)
+    finally:
+        nc.close()
+
+    timeout_default.setenv(TIMEOUT_ENV, "20")
+    assert configure_timeout(args) == 20 and group_timeout() == datetime.timedelta(seconds=20)
+    timeout_default.setenv(TIMEOUT_ENV, "3600")
+    with pytest.raises(ValueError, match=rf"{TIMEOUT_ENV}=3600 s is longer than ddp_timeout=1234 s: .* Raise "
+                                         rf"ddp_timeout to at least 3600, or unset {TIMEOUT_ENV}"):  # fmt: skip
+        configure_timeout(args)
+    timeout_default.delenv(TIMEOUT_ENV)
+    for bad in (0, -5, "soon", True):
+        with pytest.raises(ValueError, match=rf"ddp_timeout={bad!r} must be a positive number of seconds"):
+            configure_timeout(SimpleNamespace(ddp_timeout=bad))
 
 
 def test_verify_names_a_missing_partition(tmp_path):
