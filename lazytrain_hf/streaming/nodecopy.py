@@ -47,7 +47,8 @@ Failures: a rank that catches an exception marks itself failed (`NodeCopy.mark_f
 `NodeCopy.wait` and `NodeCopy.check_peers` raise `RankFailedError` naming every local rank that failed or died (its
 process gone, a zombie, or its pid reused by another process: the recorded start time differs), and a wait raises
 `WaitTimeoutError` after `dp_timeout_s` seconds (``LAZYTRAIN_DP_TIMEOUT_S``, else ``ddp_timeout`` under LazyTrainer),
-naming the rank it waited for, the unit and the timeout. Ranks of other nodes are seen only through the timeout (and the collective that failed with them).
+naming the rank it waited for, the unit and the timeout. Ranks of other nodes are seen only through the timeout (and
+the collective that failed with them).
 Local ranks in separate PID namespaces cannot see each other's pids: run the ranks of a node in one.
 """
 
@@ -543,7 +544,9 @@ class NodeCopy:
         slot = self._check_unit(unit)
         timeout = dp_timeout_s() if timeout_s is None else float(timeout_s)
         if not (math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout_s={timeout_s} must be a positive number of seconds (e.g. {DEFAULT_TIMEOUT_S:g}).")
+            raise ValueError(
+                f"timeout_s={timeout_s} must be a positive number of seconds (e.g. {DEFAULT_TIMEOUT_S:g})."
+            )
         with self._locked() as ints:
             now_at = ints[slot]
         if now_at >= version:

@@ -22,13 +22,14 @@ Note: [One timeout for the ranks' collectives]
 
 Note: [A failed rank is named]
     Every gloo group of a partitioned run is created with the run's timeout (`group_timeout`; Note: [One timeout for
-    the ranks' collectives]), so a collective blocked on a rank that stopped answering ends. When a collective fails (a killed peer closes its sockets at once; a hung one runs into the
-    timeout) `PartitionCheckpoints.named_failure` looks at the other ranks of this node by the pids they gave when
-    the group was created (``/proc``: gone or a zombie) and raises `RankFailedError` naming them ("rank 1 (pid
-    ...) died"), or, with none dead, naming the timeout and the ranks it cannot see (other nodes). The message is
-    also written to stderr at once: a launcher that stops the survivors right after a rank died
-    (`torch.distributed.run`) may not leave time for the exception to reach the top. A save a rank did not finish
-    leaves the staging directory unpublished (Note: [Atomic checkpoints]); the previous checkpoint stays.
+    the ranks' collectives]), so a collective blocked on a rank that stopped answering ends. When a collective fails
+    (a killed peer closes its sockets at once; a hung one runs into the timeout) `PartitionCheckpoints.named_failure`
+    looks at the other ranks of this node by the pids they gave when the group was created (``/proc``: gone or a
+    zombie) and raises `RankFailedError` naming them ("rank 1 (pid ...) died"), or, with none dead, naming the
+    timeout and the ranks it cannot see (other nodes). The message is also written to stderr at once: a launcher
+    that stops the survivors right after a rank died (`torch.distributed.run`) may not leave time for the exception
+    to reach the top. A save a rank did not finish leaves the staging directory unpublished
+    (Note: [Atomic checkpoints]); the previous checkpoint stays.
     Tests: ``tests/test_trainer_dp_checkpoints.py`` (a rank killed mid-step and mid-save).
 
 This module never imports `transformers.Trainer`.

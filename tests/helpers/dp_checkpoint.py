@@ -68,9 +68,8 @@ def main() -> None:
 
     from trainer_fixtures import make_trainer
 
-    trainer = make_trainer(
-        a.run_dir or os.path.join(a.out, "run"), save_steps=a.save_steps, planner_policy="default", **trainer_options(a)
-    )
+    run_dir = a.run_dir or os.path.join(a.out, "run")
+    trainer = make_trainer(run_dir, save_steps=a.save_steps, planner_policy="default", **trainer_options(a))
     _install_kill(trainer, rank())
     resume = True if a.resume == "last" else a.resume
     trainer.train(resume_from_checkpoint=resume)

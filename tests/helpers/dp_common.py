@@ -26,7 +26,8 @@ def base_parser(max_steps: int) -> argparse.ArgumentParser:
 
 def trainer_options(a: argparse.Namespace) -> dict:
     """`trainer_fixtures.make_trainer` keyword arguments of the shared flags (the state directory is created)."""
-    extra: dict = dict(max_steps=a.max_steps, per_device_train_batch_size=a.per_device_batch, dataloader_drop_last=True)
+    extra: dict = dict(max_steps=a.max_steps, per_device_train_batch_size=a.per_device_batch)
+    extra.update(dataloader_drop_last=True)
     if a.state_nvme:
         os.makedirs(a.state_nvme, exist_ok=True)
         extra.update(state_nvme_dir=a.state_nvme, state_nvme_layers="all")
