@@ -1,7 +1,9 @@
 """Checkpoints and resume of a training state partitioned by unit across data-parallel ranks (Note: [A checkpoint of
 a partitioned state] in lazytrain_hf/training/partition_files.py), and ranks that die mid-step or mid-save (Note: [A
-failed rank is named] in lazytrain_hf/training/partitions.py). Each test launches tests/helpers/dp_checkpoint.py
-with `torch.distributed.run --standalone` (gloo on CPU, one thread per rank) or as one process.
+failed rank is named] in lazytrain_hf/training/partitions.py), and the ranks' timeout (Note: [One timeout for the
+ranks' collectives], same module). Each launch runs tests/helpers/dp_checkpoint.py with `torch.distributed.run
+--standalone`, as two `--nnodes 2` launches on localhost, or as one process (tests/helpers/dp_launch.py; gloo on CPU,
+one thread per rank).
 """
 
 from __future__ import annotations
