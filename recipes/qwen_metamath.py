@@ -8,6 +8,10 @@ others, and the run trains through those paths; the simulated timeline is writte
     python recipes/qwen_metamath.py
     accelerate launch --config_file accelerate_configs/cpu.yaml recipes/qwen_metamath.py
 
+Data parallel over 2 CPU processes (gloo; each rank holds and updates the training state of its own layers):
+
+    accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/qwen_metamath.py
+
 A real model on a GPU (needs the Hub, or local paths for both names):
 
     accelerate launch --config_file accelerate_configs/single_gpu.yaml recipes/qwen_metamath.py \\

@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 import yaml
 from conftest import load_recipe
 
@@ -33,6 +34,8 @@ EXPECTED = {
     "cpu.yaml": {"distributed_type": "NO", "use_cpu": True, "num_processes": 1},
     "single_gpu.yaml": {"distributed_type": "NO", "use_cpu": False, "num_processes": 1, "gpu_ids": "0"},
     "multi_gpu.yaml": {"distributed_type": "MULTI_GPU", "use_cpu": False},
+    # MULTI_GPU is what makes accelerate start torch.distributed.run (test_cpu_2proc_config_starts_two_processes)
+    "cpu_2proc.yaml": {"distributed_type": "MULTI_GPU", "use_cpu": True, "num_processes": 2},
 }
 REQUIRED_KEYS = {"compute_environment", "distributed_type", "mixed_precision", "num_machines", "num_processes",
                  "machine_rank", "use_cpu", "main_training_function"}  # fmt: skip
@@ -51,12 +54,34 @@ def test_every_config_is_valid_for_accelerate():
         assert loaded.distributed_type.value == raw["distributed_type"]
         assert loaded.compute_environment.value == "LOCAL_MACHINE"
         assert loaded.num_machines == 1
-        if path.name == "multi_gpu.yaml":
+        if path.name in ("multi_gpu.yaml", "cpu_2proc.yaml"):
             assert loaded.num_processes > 1
         # the header comment gives the exact launch command
         header = path.read_text().split("\ncompute_environment", 1)[0]
         assert f"accelerate launch --config_file accelerate_configs/{path.name}" in header
         assert "recipes/qwen_metamath.py" in header
+
+
+def _accelerate_launch_args(*argv: str):
+    """``accelerate launch argv recipes/qwen_metamath.py`` as accelerate 1.x resolves it before choosing a launcher
+    (its parser, then the config file's defaults), without launching."""
+    from accelerate.commands import launch
+
+    args = launch.launch_command_parser().parse_args([*argv, str(RECIPE)])
+    return launch._validate_launch_command(args)[0]
+
+
+def test_cpu_2proc_config_starts_two_processes():
+    """accelerate 1.x starts several processes (through torch.distributed.run) only on its multi-device path
+    (``args.multi_gpu`` and not ``--cpu``); ``--cpu --num_processes 2`` and a ``distributed_type: MULTI_CPU`` config
+    take its simple launcher, one process (MULTI_CPU starts more only through mpirun). cpu_2proc.yaml takes the
+    torch.distributed.run path with 2 processes; the recipe's ranks then run on the CPU (--use_cpu True without
+    CUDA)."""
+    two = _accelerate_launch_args("--config_file", str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"))
+    assert two.multi_gpu and not two.cpu and two.num_processes == 2 and two.num_machines == 1
+    assert two.main_process_port == 0  # a free port: two launches on one machine do not collide
+    one = _accelerate_launch_args("--cpu", "--num_processes", "2")
+    assert not one.multi_gpu and one.cpu  # -> simple_launcher: one process, whatever --num_processes says
 
 
 def test_documented_commands_use_existing_configs_and_parse(recipe):
@@ -230,6 +255,52 @@ def test_end_to_end_short_run_state_on_nvme(recipe, tmp_path, capsys):
     _check_run(recipe, tmp_path, capsys, "--state_nvme_dir", str(tmp_path / "state"), "--state_nvme_layers", "all")
     plan = json.loads((tmp_path / "run" / "lazytrain_plan.json").read_text())
     assert plan["state_nvme"] and plan["predicted"]["bytes_per_step"]["nvme_write"] > 0
+
+
+@pytest.mark.slow
+def test_accelerate_launch_two_cpu_processes(tmp_path, evaluate_cache):
+    """``accelerate launch --config_file accelerate_configs/cpu_2proc.yaml recipes/qwen_metamath.py`` (embedded
+    model and data, 4 steps, checkpoints every 2, one thread per rank) runs 2 ranks, gloo on the CPU: the plan is
+    made for world_size 2; each rank wrote its own partition of checkpoint-4 with world_size 2, their units disjoint
+    and together every unit; the traced steps sent gradients over the ``net`` lane as the plan predicts; the
+    checkpoint verifies and its model.safetensors loads, equal to the model the recipe saved after training."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from lazytrain_hf.training.checkpoints import verify_checkpoint
+    from lazytrain_hf.training.partition_files import layout_name, partition_name
+
+    run = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file",
+           str(ROOT / "accelerate_configs" / "cpu_2proc.yaml"), str(RECIPE), "--output_dir", str(run),
+           "--max_steps", "4", "--save_strategy", "steps", "--save_steps", "2", "--num_train_samples", "48",
+           "--num_eval_samples", "2", "--per_device_train_batch_size", "4", "--per_device_eval_batch_size", "2",
+           "--eval_max_new_tokens", "4", "--logging_steps", "1", "--warmup_steps", "0"]  # fmt: skip
+    env = dict(os.environ, PYTHONPATH=str(ROOT), OMP_NUM_THREADS="1", HF_HOME=str(evaluate_cache))
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    assert "steps=4" in proc.stdout and proc.stdout.count("[qwen_metamath] model=") == 1, proc.stdout[-2000:]
+
+    plan = json.loads((run / "lazytrain_plan.json").read_text())
+    assert (plan["world_size"], plan["nodes"]) == (2, 1)
+    ckpt = run / "checkpoint-4"
+    verify_checkpoint(str(ckpt))
+    layouts = [json.loads((ckpt / layout_name(r, 2)).read_text()) for r in range(2)]
+    units = [set(layout["units"]) for layout in layouts]
+    for r, layout in enumerate(layouts):
+        assert (layout["world_size"], layout["rank"]) == (2, r) and (ckpt / partition_name(r, 2)).is_file()
+        assert units[r] == {k for k, owner in layout["owners"].items() if owner == r} and units[r], layout
+        assert (ckpt / f"rng_state_{r}.pth").is_file()
+    assert units[0].isdisjoint(units[1]) and units[0] | units[1] == {"0", "1", "2", "3"}, units
+    trace = json.loads((run / "lazytrain_trace.json").read_text())
+    predicted = plan["predicted"]["bytes_per_step"]
+    assert predicted["net"] > 0 and all(step["bytes"]["net"] == predicted["net"] for step in trace["steps"])
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt)
+    saved = load_file(run / "model.safetensors")
+    state = model.state_dict()
+    for k, v in saved.items():
+        assert torch.equal(state[k], v), k
 
 
 def test_hub_names_offline_say_how_to_pass_a_local_path(recipe, tmp_path):

@@ -16,27 +16,20 @@ import sys
 
 import pytest
 import torch
+from helpers.dp_launch import HELPERS, run_ranks, run_two_nodes
+from helpers.dp_launch import env as _env
 from safetensors.torch import load_file
 
-HERE = os.path.dirname(__file__)
-SCRIPT = os.path.join(HERE, "helpers", "ddp_train.py")
+SCRIPT = os.path.join(HELPERS, "ddp_train.py")
 # One process sums the 4 sequences' gradients in one matmul; two processes sum 2 + 2 and all-reduce: fp32 summation
 # order differs (~1e-7 relative), which the 8-bit moment rounding can amplify to one quantisation step of m or v.
 ATOL, RTOL = 2e-5, 1e-4
 
 
-def _env() -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]), OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    return env
-
-
 @pytest.mark.parametrize("policy", ["milp"])
 def test_two_processes_match_each_other_and_one_process(tmp_path, policy):
     ddp = tmp_path / "ddp"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", SCRIPT,
-           "--out", str(ddp), "--per-device-batch", "2", "--policy", policy]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=600)
+    proc = run_ranks(SCRIPT, ddp, 2, "--per-device-batch", "2", "--policy", policy, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     # Note: [One plan for every rank]: rank 0 plans, rank 1 executes the broadcast plan
     assert (ddp / "rank0.planned").read_text() == "1" and (ddp / "rank1.planned").read_text() == "0"
@@ -46,8 +39,7 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, policy):
         assert torch.equal(r0[k], r1[k]), f"{k} differs across ranks"
 
     single = tmp_path / "single"
-    proc = subprocess.run([sys.executable, SCRIPT, "--out", str(single), "--per-device-batch", "4", "--policy", policy],
-                          capture_output=True, text=True, env=_env(), timeout=600)
+    proc = run_ranks(SCRIPT, single, 1, "--per-device-batch", "4", "--policy", policy, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     ref = load_file(single / "rank0.safetensors")
     initial = None
@@ -63,9 +55,7 @@ def test_two_processes_match_each_other_and_one_process(tmp_path, policy):
 # --------------------------------------------------------------------------- the training state partitioned by unit
 def _launch(out, nproc: int, *args: str, timeout: int = 900) -> list[dict]:
     """Run tests/helpers/ddp_train.py on ``nproc`` ranks (one plain process for 1) and return each rank's stats."""
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd = (head if nproc > 1 else [sys.executable]) + [SCRIPT, "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=timeout)
+    proc = run_ranks(SCRIPT, out, nproc, *args, timeout=timeout)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return [json.loads((out / f"rank{r}.stats.json").read_text()) for r in range(nproc)]
 
@@ -181,23 +171,9 @@ def test_two_nodes_gather_the_units_owned_on_the_other_node(tmp_path):
     """Two ``torch.distributed.run --nnodes 2`` launches on localhost, one rank each: each node has its own node
     copy; a unit owned on the other node arrives by a broadcast in the local-rank group and is recorded on the lane
     ``net`` as ``gather`` (its compute-copy bytes, once per step); weights and losses as one process."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     out = tmp_path / "ddp"
-    args = ["--out", str(out), "--per-device-batch", "2"]
-    procs = [
-        subprocess.Popen(
-            [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank", str(node),
-             "--nproc-per-node", "1", "--master-addr", "127.0.0.1", "--master-port", str(port), SCRIPT, *args],
-            env=_env(), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for node in (0, 1)
-    ]
-    logs = [p.communicate(timeout=900)[0] for p in procs]
-    assert [p.returncode for p in procs] == [0, 0], "\n".join(log[-3000:] for log in logs)
+    launches = run_two_nodes(SCRIPT, "--out", str(out), "--per-device-batch", "2")
+    assert [rc for rc, _ in launches] == [0, 0], "\n".join(log[-3000:] for _, log in launches)
     ranks = [json.loads((out / f"rank{r}.stats.json").read_text()) for r in range(2)]
     single = _launch(tmp_path / "single", 1, "--per-device-batch", "4")[0]
     ref = load_file(tmp_path / "single" / "rank0.safetensors")

@@ -1,7 +1,9 @@
 """Checkpoints and resume of a training state partitioned by unit across data-parallel ranks (Note: [A checkpoint of
 a partitioned state] in lazytrain_hf/training/partition_files.py), and ranks that die mid-step or mid-save (Note: [A
-failed rank is named] in lazytrain_hf/training/partitions.py). Each test launches tests/helpers/dp_checkpoint.py
-with `torch.distributed.run --standalone` (gloo on CPU, one thread per rank) or as one process.
+failed rank is named] in lazytrain_hf/training/partitions.py), and the ranks' timeout (Note: [One timeout for the
+ranks' collectives], same module). Each launch runs tests/helpers/dp_checkpoint.py with `torch.distributed.run
+--standalone`, as two `--nnodes 2` launches on localhost, or as one process (tests/helpers/dp_launch.py; gloo on CPU,
+one thread per rank).
 """
 
 from __future__ import annotations
@@ -9,19 +11,17 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 
 import pytest
 import torch
+from helpers.dp_launch import HELPERS, env, run_ranks, run_two_nodes
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 from lazytrain_hf.training.checkpoints import verify_checkpoint
 from lazytrain_hf.training.partition_files import layout_name, partition_name
 
-HERE = os.path.dirname(__file__)
-SCRIPT = os.path.join(HERE, "helpers", "dp_checkpoint.py")
+SCRIPT = os.path.join(HELPERS, "dp_checkpoint.py")
 # A resume at another world size runs the steps after the checkpoint with another split of the global batch: one
 # process sums 4 sequences' gradients in one matmul, two ranks 2 + 2 and a reduce, so the fp32 summation order
 # differs (~1e-7 relative) and the 8-bit moments may round one quantisation step apart: the data-parallel tolerances
@@ -31,17 +31,8 @@ LOSS_RTOL = 1e-5
 TIMEOUT_S = 900  # per launch: far above a run's ~1-2 min, so a hang fails instead of blocking the suite
 
 
-def _env(**extra: str) -> dict:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([HERE, os.path.dirname(HERE)]), OMP_NUM_THREADS="1")
-    env.pop("RANK", None)
-    env.update(extra)
-    return env
-
-
-def _launch(out, nproc: int, *args: str, check: bool = True, env: dict | None = None):
-    head = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
-    cmd = (head if nproc > 1 else [sys.executable]) + [SCRIPT, "--out", str(out), *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env or _env(), timeout=TIMEOUT_S)
+def _launch(out, nproc: int, *args: str, check: bool = True, environ: dict | None = None):
+    proc = run_ranks(SCRIPT, out, nproc, *args, environ=environ, timeout=TIMEOUT_S)
     if check:
         assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-6000:]
     return proc
@@ -113,13 +104,65 @@ def test_refusals_name_the_option():
 
     from lazytrain_hf.training.partitions import check_partitioned_args
 
-    args = SimpleNamespace(save_strategy="steps", save_on_each_node=True, world_size=2)
+    args = SimpleNamespace(save_strategy="steps", save_on_each_node=True, world_size=2, ddp_timeout=1800)
     with pytest.raises(ValueError, match="save_on_each_node=True .* set save_on_each_node=False"):
         check_partitioned_args(args, torch.nn.Linear(2, 2))
     args.save_on_each_node = False
     with pytest.raises(ValueError, match="save_strategy='steps' .* Linear .* set save_strategy='no'"):
         check_partitioned_args(args, torch.nn.Linear(2, 2))
-    check_partitioned_args(SimpleNamespace(save_strategy="no", save_on_each_node=True, world_size=2), None)
+    check_partitioned_args(
+        SimpleNamespace(save_strategy="no", save_on_each_node=True, world_size=2, ddp_timeout=1800), None
+    )
+
+
+@pytest.fixture
+def timeout_default(monkeypatch):
+    """The process's data-parallel timeout default (`configure_timeout` sets it) restored after the test, and
+    LAZYTRAIN_DP_TIMEOUT_S unset."""
+    from lazytrain_hf.streaming import nodecopy
+
+    monkeypatch.setattr(nodecopy, "_default_timeout", nodecopy._default_timeout)
+    monkeypatch.delenv(nodecopy.TIMEOUT_ENV, raising=False)
+    return monkeypatch
+
+
+def test_timeout_follows_ddp_timeout(timeout_default):
+    """Note: [One timeout for the ranks' collectives]: with LAZYTRAIN_DP_TIMEOUT_S unset, the gloo groups of a
+    partitioned run and the node copy's waits time out after TrainingArguments.ddp_timeout, and the messages say
+    to raise ddp_timeout; the variable may shorten it (the hung-rank test uses 20 s), never lengthen it."""
+    import datetime
+    from types import SimpleNamespace
+
+    from lazytrain_hf import LazyTrainingArguments
+    from lazytrain_hf.planner.world import World
+    from lazytrain_hf.streaming.nodecopy import TIMEOUT_ENV, NodeCopy, WaitTimeoutError, dp_timeout_s
+    from lazytrain_hf.training.partitions import check_partitioned_args, configure_timeout, group_timeout
+
+    args = LazyTrainingArguments(output_dir="unused", ddp_timeout=1234, use_cpu=True, report_to=[])
+    assert configure_timeout(args) == 1234
+    assert dp_timeout_s() == 1234 and group_timeout() == datetime.timedelta(seconds=1234)
+    check_partitioned_args(SimpleNamespace(save_strategy="no", save_on_each_node=False, world_size=2,
+                                           ddp_timeout=0.25), None)  # fmt: skip
+    assert dp_timeout_s() == 0.25  # train() sets it before any group is created
+    # a wait for a unit owned on another node that never arrives: after ddp_timeout, naming it
+    run_id = f"test-{os.getpid()}-timeout"
+    nc = NodeCopy(run_id, World(world_size=2, nodes=2), 0, 4096, 1, lambda: None, pin=False)
+    try:
+        with pytest.raises(WaitTimeoutError, match=r"waited 0.25 s .* raise ddp_timeout \(seconds, now 0.25\)"):
+            nc.wait(0, 1, owner_rank=1)
+    finally:
+        nc.close()
+
+    timeout_default.setenv(TIMEOUT_ENV, "20")
+    assert configure_timeout(args) == 20 and group_timeout() == datetime.timedelta(seconds=20)
+    timeout_default.setenv(TIMEOUT_ENV, "3600")
+    with pytest.raises(ValueError, match=rf"{TIMEOUT_ENV}=3600 s is longer than ddp_timeout=1234 s: .* Raise "
+                                         rf"ddp_timeout to at least 3600, or unset {TIMEOUT_ENV}"):  # fmt: skip
+        configure_timeout(args)
+    timeout_default.delenv(TIMEOUT_ENV)
+    for bad in (0, -5, "soon", True):
+        with pytest.raises(ValueError, match=rf"ddp_timeout={bad!r} must be a positive number of seconds"):
+            configure_timeout(SimpleNamespace(ddp_timeout=bad))
 
 
 def test_verify_names_a_missing_partition(tmp_path):
@@ -199,6 +242,49 @@ def test_partitioned_state_on_nvme_resumes_bit_exact(tmp_path):
         assert torch.equal(got[k], ref[k]), k
 
 
+def _launch_two_nodes(out, *args: str) -> None:
+    launches = run_two_nodes(SCRIPT, "--out", str(out), *args, timeout=TIMEOUT_S)
+    assert [rc for rc, _ in launches] == [0, 0], "\n".join(log[-3000:] for _, log in launches)
+
+
+@pytest.mark.slow
+def test_two_nodes_checkpoint_resumes_bit_exact_and_matches_one_node(tmp_path):
+    """Two ``torch.distributed.run --nnodes 2`` launches on localhost, one rank each (each node its own compute copy
+    in shared memory; units owned on the other node arrive by broadcast), bf16 compute of the fp32 tiny qwen3: rank
+    0 receives the fp32 masters of node 1's units for model.safetensors. The checkpoints hold both partitions and
+    verify; checkpoint-2 resumes bit-exact on two nodes again and on one node (2 ranks of one torch.distributed.run:
+    the same world, so the same operations in the same order); the one-node resume's checkpoint-4 model.safetensors
+    has the two-node file's header and tensors, bit for bit."""
+    straight = tmp_path / "nodes"
+    _launch_two_nodes(straight, "--bf16")
+    ckpt2, ckpt4 = straight / "run" / "checkpoint-2", straight / "run" / "checkpoint-4"
+    for ckpt in (ckpt2, ckpt4):
+        _assert_partitioned(ckpt, 2)
+        verify_checkpoint(str(ckpt))
+    ref, ref_info = _result(straight)
+    ref1, _ = _result(straight, 1)
+    for k in ref:
+        assert torch.equal(ref[k], ref1[k]), f"{k} differs between the nodes"
+    weights = load_file(ckpt4 / "model.safetensors")
+    for k, v in weights.items():
+        assert v.dtype == torch.float32 and torch.equal(v, ref[k]), k  # the fp32 masters, node 1's units included
+
+    resumed = tmp_path / "nodes_resumed"
+    _launch_two_nodes(resumed, "--bf16", "--resume", str(ckpt2))
+    one_node = tmp_path / "one_node_resumed"
+    _launch(one_node, 2, "--bf16", "--resume", str(ckpt2))
+    for out in (resumed, one_node):
+        got, info = _result(out)
+        assert info["global_step"] == 4 and info["losses"] == ref_info["losses"][2:], (out.name, info)
+        for k in ref:
+            assert torch.equal(got[k], ref[k]), f"{k} differs after the resume ({out.name})"
+    one_file = one_node / "run" / "checkpoint-4" / "model.safetensors"
+    assert _header(one_file) == _header(ckpt4 / "model.safetensors")
+    one_weights = load_file(one_file)
+    for k in weights:
+        assert torch.equal(one_weights[k], weights[k]), k
+
+
 # --------------------------------------------------------------------------- faults
 def _shm_of_runs() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith("lazytrain-")} if os.path.isdir("/dev/shm") else set()
@@ -210,7 +296,7 @@ def _killed_run(tmp_path, where: str):
     shm_before = _shm_of_runs()
     run = tmp_path / "killed"
     proc = _launch(
-        run, 2, check=False, env=_env(DP_TEST_KILL=where, DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="60")
+        run, 2, check=False, environ=env(DP_TEST_KILL=where, DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="60")
     )
     text = proc.stdout + proc.stderr
     print(text[-3000:])
@@ -267,8 +353,8 @@ def test_rank_that_stops_answering_ends_the_run_after_the_timeout(tmp_path):
     group of the partitioned run ends after LAZYTRAIN_DP_TIMEOUT_S=20 s and its error names the timeout and the
     stopped rank; the launch ends (torch.distributed.run then kills the stopped rank), checkpoint-2 is intact."""
     run = tmp_path / "hung"
-    env = _env(DP_TEST_KILL="hang-step", DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="20")
-    proc = _launch(run, 2, check=False, env=env)
+    environ = env(DP_TEST_KILL="hang-step", DP_TEST_KILL_STEP="4", LAZYTRAIN_DP_TIMEOUT_S="20")
+    proc = _launch(run, 2, check=False, environ=environ)
     text = proc.stdout + proc.stderr
     print(text[-3000:])
     assert proc.returncode != 0

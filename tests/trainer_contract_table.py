@@ -317,7 +317,8 @@ FIELDS: dict[str, Row] = {
     "ddp_broadcast_buffers": na(_DDP),
     "ddp_static_graph": na(_DDP),
     "ddp_backend": na("the process group backend of a multi-process launch (tests/test_trainer_ddp.py)"),
-    "ddp_timeout": na("the process group timeout of a multi-process launch (tests/test_trainer_ddp.py)"),
+    "ddp_timeout": na("the timeout of a multi-process launch: Trainer's default group and LazyTrainer's data-parallel "
+                      "waits alike (tests/test_trainer_dp_checkpoints.py, test_timeout_follows_ddp_timeout)"),
     "fsdp": refused({"fsdp": "full_shard"}, r"fsdp='full_shard' with stream_enabled=True.*stream_enabled=False"),
     "fsdp_config": na("read only with fsdp, which streaming refuses"),
     "deepspeed": refused(

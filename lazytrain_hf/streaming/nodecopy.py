@@ -46,8 +46,9 @@ Note: [A unit's version is published after its data]
 Failures: a rank that catches an exception marks itself failed (`NodeCopy.mark_failed`, or the ``with`` block);
 `NodeCopy.wait` and `NodeCopy.check_peers` raise `RankFailedError` naming every local rank that failed or died (its
 process gone, a zombie, or its pid reused by another process: the recorded start time differs), and a wait raises
-`WaitTimeoutError` after ``LAZYTRAIN_DP_TIMEOUT_S`` seconds (`dp_timeout_s`), naming the rank it waited for, the unit
-and the timeout. Ranks of other nodes are seen only through the timeout (and the collective that failed with them).
+`WaitTimeoutError` after `dp_timeout_s` seconds (``LAZYTRAIN_DP_TIMEOUT_S``, else ``ddp_timeout`` under LazyTrainer),
+naming the rank it waited for, the unit and the timeout. Ranks of other nodes are seen only through the timeout (and
+the collective that failed with them).
 Local ranks in separate PID namespaces cannot see each other's pids: run the ranks of a node in one.
 """
 
@@ -111,11 +112,34 @@ class WaitTimeoutError(NodeCopyError, TimeoutError):
         self.unit = unit
 
 
+# The timeout while LAZYTRAIN_DP_TIMEOUT_S is unset and the setting it comes from (`set_timeout_default`; LazyTrainer
+# sets TrainingArguments.ddp_timeout at train(): Note: [One timeout for the ranks' collectives] in
+# training/partitions.py). One distributed world per process, so one value per process.
+_default_timeout: tuple[float, str] = (DEFAULT_TIMEOUT_S, TIMEOUT_ENV)
+
+
+def set_timeout_default(seconds: float, setting: str) -> None:
+    """Make ``seconds`` what `dp_timeout_s` returns while ``LAZYTRAIN_DP_TIMEOUT_S`` is unset; ``setting``: the option
+    it comes from, which the timeout messages name as the one to raise (e.g. ``"ddp_timeout"``)."""
+    value = float(seconds)
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{setting}={seconds!r} must be a positive number of seconds (e.g. 1800).")
+    global _default_timeout
+    _default_timeout = (value, str(setting))
+
+
+def timeout_setting() -> str:
+    """The option `dp_timeout_s` takes its value from: ``LAZYTRAIN_DP_TIMEOUT_S`` when set, else the setting given to
+    `set_timeout_default` (``LAZYTRAIN_DP_TIMEOUT_S`` when none was)."""
+    return TIMEOUT_ENV if os.environ.get(TIMEOUT_ENV, "").strip() else _default_timeout[1]
+
+
 def dp_timeout_s() -> float:
-    """Seconds a rank waits for another rank (``LAZYTRAIN_DP_TIMEOUT_S``, default `DEFAULT_TIMEOUT_S`)."""
+    """Seconds a rank waits for another rank: ``LAZYTRAIN_DP_TIMEOUT_S`` when set, else the default of
+    `set_timeout_default` (LazyTrainer: ``TrainingArguments.ddp_timeout``), else `DEFAULT_TIMEOUT_S`."""
     raw = os.environ.get(TIMEOUT_ENV, "").strip()
     if not raw:
-        return DEFAULT_TIMEOUT_S
+        return _default_timeout[0]
     try:
         value = float(raw)
     except ValueError:
@@ -516,11 +540,13 @@ class NodeCopy:
         """Return once ``unit`` reached ``version``; ``owner_rank`` publishes it (a rank of this node, or of another
         node whose update an all-gather brings). Polls with sleeps of 50 us to 1 ms. Raises `RankFailedError` when
         a local rank failed or died (the owner, or a rank that closed before publishing), `WaitTimeoutError` after
-        ``timeout_s`` seconds (default: ``LAZYTRAIN_DP_TIMEOUT_S``, `dp_timeout_s`)."""
+        ``timeout_s`` seconds (default: `dp_timeout_s`)."""
         slot = self._check_unit(unit)
         timeout = dp_timeout_s() if timeout_s is None else float(timeout_s)
         if not (math.isfinite(timeout) and timeout > 0):
-            raise ValueError(f"timeout_s={timeout_s} must be a positive number of seconds ({TIMEOUT_ENV} sets it).")
+            raise ValueError(
+                f"timeout_s={timeout_s} must be a positive number of seconds (e.g. {DEFAULT_TIMEOUT_S:g})."
+            )
         with self._locked() as ints:
             now_at = ints[slot]
         if now_at >= version:
@@ -571,7 +597,7 @@ class NodeCopy:
         return (
             f"rank {self.rank} waited {timeout:g} s for unit {unit} to reach version {version} (it is at {now_at}); "
             f"rank {owner} publishes it ({self._where(owner)}) and no local rank failed. Look for the cause in rank "
-            f"{owner}'s log; if an update can take this long, raise {TIMEOUT_ENV} (seconds, now {timeout:g})."
+            f"{owner}'s log; if an update can take this long, raise {timeout_setting()} (seconds, now {timeout:g})."
         )
 
     @staticmethod

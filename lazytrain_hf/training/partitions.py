@@ -7,16 +7,29 @@ rank 0 receives for the weights file, each rank's partition, the barrier before 
 holding the resident parameters only), `load_by_name` (a resume that takes each parameter's optimizer state by name
 from ``optimizer.pt`` or whichever partition holds it, at any world size) and `check_partitioned_args`.
 
+Note: [One timeout for the ranks' collectives]
+    A Trainer user sets how long ranks wait for each other with ``TrainingArguments.ddp_timeout`` (seconds, 1800 by
+    default; Trainer gives it to the default process group). LazyTrainer's own waits of a partitioned run, its gloo
+    groups (`group_timeout`: gradient reduces, compute copies, norms, checkpoints) and the node copy's waits for a
+    unit's update (`NodeCopy.wait`), take the same value: `configure_timeout` (called at train() by
+    `check_partitioned_args`) makes ``ddp_timeout`` the default of `lazytrain_hf.streaming.nodecopy.dp_timeout_s`.
+    The environment variable ``LAZYTRAIN_DP_TIMEOUT_S`` overrides it for those waits alone, and only downwards (a
+    rank that stopped answering is named sooner): a value above ``ddp_timeout`` is refused, since the default group's
+    collectives (a loss gather, the barrier of a save) would give up first. Timeout messages name the setting in
+    force (`timeout_setting`). (transformers leaves the default group of a ``use_cpu`` run at torch's own 1800 s
+    whatever ``ddp_timeout`` says; LazyTrainer's groups follow ``ddp_timeout`` there too.)
+    Tests: ``tests/test_trainer_dp_checkpoints.py`` (``test_timeout_follows_ddp_timeout``, the hung rank).
+
 Note: [A failed rank is named]
-    Every gloo group of a partitioned run is created with a timeout of ``LAZYTRAIN_DP_TIMEOUT_S`` seconds
-    (`group_timeout`; `lazytrain_hf.streaming.nodecopy.dp_timeout_s`), so a collective blocked on a rank that stopped
-    answering ends. When a collective fails (a killed peer closes its sockets at once; a hung one runs into the
-    timeout) `PartitionCheckpoints.named_failure` looks at the other ranks of this node by the pids they gave when
-    the group was created (``/proc``: gone or a zombie) and raises `RankFailedError` naming them ("rank 1 (pid
-    ...) died"), or, with none dead, naming the timeout and the ranks it cannot see (other nodes). The message is
-    also written to stderr at once: a launcher that stops the survivors right after a rank died
-    (`torch.distributed.run`) may not leave time for the exception to reach the top. A save a rank did not finish
-    leaves the staging directory unpublished (Note: [Atomic checkpoints]); the previous checkpoint stays.
+    Every gloo group of a partitioned run is created with the run's timeout (`group_timeout`; Note: [One timeout for
+    the ranks' collectives]), so a collective blocked on a rank that stopped answering ends. When a collective fails
+    (a killed peer closes its sockets at once; a hung one runs into the timeout) `PartitionCheckpoints.named_failure`
+    looks at the other ranks of this node by the pids they gave when the group was created (``/proc``: gone or a
+    zombie) and raises `RankFailedError` naming them ("rank 1 (pid ...) died"), or, with none dead, naming the
+    timeout and the ranks it cannot see (other nodes). The message is also written to stderr at once: a launcher
+    that stops the survivors right after a rank died (`torch.distributed.run`) may not leave time for the exception
+    to reach the top. A save a rank did not finish leaves the staging directory unpublished
+    (Note: [Atomic checkpoints]); the previous checkpoint stays.
     Tests: ``tests/test_trainer_dp_checkpoints.py`` (a rank killed mid-step and mid-save).
 
 This module never imports `transformers.Trainer`.
@@ -35,7 +48,14 @@ from typing import Any
 
 import torch
 
-from ..streaming.nodecopy import TIMEOUT_ENV, NodeCopyError, RankFailedError, dp_timeout_s
+from ..streaming.nodecopy import (
+    TIMEOUT_ENV,
+    NodeCopyError,
+    RankFailedError,
+    dp_timeout_s,
+    set_timeout_default,
+    timeout_setting,
+)
 from .lazytensor import LazyTensor
 from .masters import separate_masters
 from .optimizer_groups import OptimizerStateMismatch, mapped_load
@@ -51,8 +71,8 @@ from .safetensors_writer import write_safetensors
 from .saved_weights import cast_overrides
 from .staging import atomic_write_text, publish_checkpoint, remove_stale_staging, staging_dir
 
-__all__ = ["PartitionCheckpoints", "RankFailedError", "check_partitioned_args", "group_timeout", "is_partitioned",
-           "load_by_name", "save_weights"]  # fmt: skip
+__all__ = ["PartitionCheckpoints", "RankFailedError", "check_partitioned_args", "configure_timeout", "group_timeout",
+           "is_partitioned", "load_by_name", "save_weights"]  # fmt: skip
 _NVME_ARRAYS = {"m_codes": "exp_avg_codes", "m_abs": "exp_avg_absmax", "v_codes": "exp_avg_sq_codes",
                 "v_abs": "exp_avg_sq_absmax"}  # fmt: skip
 
@@ -62,13 +82,38 @@ DEATH_GRACE_S = 2.0
 
 
 def group_timeout() -> datetime.timedelta:
-    """The timeout of every gloo group of a partitioned run (Note: [A failed rank is named])."""
+    """The timeout of every gloo group of a partitioned run (Note: [One timeout for the ranks' collectives])."""
     return datetime.timedelta(seconds=dp_timeout_s())
 
 
+def configure_timeout(args) -> float:
+    """Note: [One timeout for the ranks' collectives]: make ``args.ddp_timeout`` the timeout of this process's
+    data-parallel waits unless ``LAZYTRAIN_DP_TIMEOUT_S`` sets a shorter one; refuse a longer one. Returns the
+    timeout in force (seconds)."""
+    ddp_timeout = args.ddp_timeout
+    if isinstance(ddp_timeout, bool) or not isinstance(ddp_timeout, (int, float)) or not ddp_timeout > 0:
+        raise ValueError(
+            f"ddp_timeout={ddp_timeout!r} must be a positive number of seconds (Trainer's default: 1800): how long a "
+            f"data-parallel rank waits for the others."
+        )
+    set_timeout_default(ddp_timeout, "ddp_timeout")
+    timeout = dp_timeout_s()  # LAZYTRAIN_DP_TIMEOUT_S when set (a bad value is refused there)
+    if timeout > ddp_timeout:
+        raise ValueError(
+            f"{TIMEOUT_ENV}={timeout:g} s is longer than ddp_timeout={ddp_timeout:g} s: Trainer's collectives on the "
+            "default process group (a loss gather, the barrier of a save) give up after ddp_timeout, so a rank "
+            f"would never wait that long. Raise ddp_timeout to at least {timeout:g}, or unset {TIMEOUT_ENV} (then "
+            "LazyTrainer's data-parallel waits use ddp_timeout too); a shorter value names a silent rank sooner."
+        )
+    return timeout
+
+
 def check_partitioned_args(args, model) -> None:
-    """Refuse, before anything is planned, what checkpoints of a partitioned training state do not support."""
+    """Refuse, before anything is planned, what checkpoints of a partitioned training state do not support, and set
+    the run's timeout (`configure_timeout`)."""
     from .weight_files import streams_weights
+
+    configure_timeout(args)
 
     saving = str(getattr(args.save_strategy, "value", args.save_strategy)) != "no"
     if saving and args.save_on_each_node:
@@ -162,8 +207,8 @@ class PartitionCheckpoints:
             msg = (
                 f"rank {self.rank}: {what} failed and no other rank of this node died{stopped}; a rank "
                 f"{'of ' + str(others) + ' (other nodes) ' if others else ''}died or did not answer within "
-                f"{TIMEOUT_ENV}={timeout:g} s ({type(error).__name__}: {error}). Look for the cause in the other "
-                f"ranks' logs; if a step can take this long, raise {TIMEOUT_ENV}."
+                f"{timeout_setting()}={timeout:g} s ({type(error).__name__}: {error}). Look for the cause in the "
+                f"other ranks' logs; if a step can take this long, raise {timeout_setting()}."
             )
         print(f"[lazytrain] {msg}", file=sys.stderr, flush=True)
         return RankFailedError(msg, dead)

@@ -5,12 +5,10 @@ from the host store, 8-bit moments from the optimizer's state) and the units who
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from dp_common import base_parser, rank, save_rank_weights, trainer_options
 
 
 def _state_nbytes(value) -> int:
@@ -26,20 +24,14 @@ def _state_nbytes(value) -> int:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--per-device-batch", type=int, default=2)
+    p = base_parser(max_steps=3)
     p.add_argument("--policy", default="default")
     p.add_argument("--ga", type=int, default=1)
-    p.add_argument("--max-steps", type=int, default=3)
     p.add_argument("--model-type", default="qwen3")
-    p.add_argument("--state-nvme", default=None, help="state_nvme_dir (every streamed unit's state there)")
     p.add_argument("--stream-embeddings", action="store_true")
-    p.add_argument("--bf16", action="store_true", help="bf16 compute copy of the fp32 model (fp32 masters)")
     p.add_argument("--dp-reduce", default=None, help="planner_dp_reduce (auto, host, device)")
     a = p.parse_args()
 
-    from safetensors.torch import save_file
     from trainer_fixtures import make_trainer
     from transformers import TrainerCallback
 
@@ -47,32 +39,24 @@ def main() -> None:
     from lazytrain_hf.streaming.nvmestate import NvmeState
     from lazytrain_hf.training import planning
 
-    rank = int(os.environ.get("RANK", "0"))
+    me = rank()
     planned = []
     real_make_plan = planning.make_plan
 
     def counting_make_plan(*args, **kwargs):
-        planned.append(rank)
+        planned.append(me)
         return real_make_plan(*args, **kwargs)
 
     planning.make_plan = counting_make_plan  # which ranks profile, warm up and solve
-    extra = {}
-    if a.state_nvme:
-        os.makedirs(a.state_nvme, exist_ok=True)
-        extra.update(state_nvme_dir=a.state_nvme, state_nvme_layers="all")
+    extra = trainer_options(a)
     if a.stream_embeddings:
         extra.update(stream_embeddings=True)
-    if a.bf16:
-        extra.update(bf16=True)
     if a.dp_reduce:
         extra.update(planner_dp_reduce=a.dp_reduce)
     trainer = make_trainer(
         os.path.join(a.out, "run"),
-        max_steps=a.max_steps,
-        per_device_train_batch_size=a.per_device_batch,
         gradient_accumulation_steps=a.ga,
         planner_policy=a.policy,
-        dataloader_drop_last=True,
         model_type=a.model_type,
         **extra,
     )
@@ -140,17 +124,16 @@ def main() -> None:
 
     trainer.add_callback(Record())
     trainer.train()
-    state = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
-    save_file(state, os.path.join(a.out, f"rank{rank}.safetensors"))
+    save_rank_weights(trainer, a.out)
     losses = ",".join(f"{x:.8f}" for x in trainer.loss_recorder.losses)
-    with open(os.path.join(a.out, f"rank{rank}.losses"), "w") as f:
+    with open(os.path.join(a.out, f"rank{me}.losses"), "w") as f:
         f.write(losses)
-    with open(os.path.join(a.out, f"rank{rank}.plan.json"), "w") as f:
+    with open(os.path.join(a.out, f"rank{me}.plan.json"), "w") as f:
         f.write(trainer.lazy_plan.to_json())
-    with open(os.path.join(a.out, f"rank{rank}.planned"), "w") as f:
+    with open(os.path.join(a.out, f"rank{me}.planned"), "w") as f:
         f.write(str(len(planned)))
     stats["losses"] = trainer.loss_recorder.losses
-    with open(os.path.join(a.out, f"rank{rank}.stats.json"), "w") as f:
+    with open(os.path.join(a.out, f"rank{me}.stats.json"), "w") as f:
         json.dump(stats, f)
 
 

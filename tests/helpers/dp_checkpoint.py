@@ -13,13 +13,11 @@ SIGSTOP (the rank stops answering without dying).
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import signal
-import sys
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from dp_common import base_parser, rank, save_rank_weights, trainer_options
 
 
 def _install_kill(trainer, rank: int) -> None:
@@ -62,43 +60,21 @@ def _install_kill(trainer, rank: int) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
+    p = base_parser(max_steps=4)
     p.add_argument("--run-dir", default=None, help="output_dir (default <out>/run)")
-    p.add_argument("--per-device-batch", type=int, default=2)
-    p.add_argument("--max-steps", type=int, default=4)
     p.add_argument("--save-steps", type=int, default=2)
     p.add_argument("--resume", default=None, help="a checkpoint directory, or 'last'")
-    p.add_argument("--bf16", action="store_true", help="bf16 compute of the fp32 model (masters in the weights)")
-    p.add_argument("--state-nvme", default=None, help="state_nvme_dir (every streamed unit's state there)")
     a = p.parse_args()
 
-    from safetensors.torch import save_file
     from trainer_fixtures import make_trainer
 
-    rank = int(os.environ.get("RANK", "0"))
-    extra = {}
-    if a.state_nvme:
-        os.makedirs(a.state_nvme, exist_ok=True)
-        extra.update(state_nvme_dir=a.state_nvme, state_nvme_layers="all")
-    if a.bf16:
-        extra.update(bf16=True)
-    trainer = make_trainer(
-        a.run_dir or os.path.join(a.out, "run"),
-        max_steps=a.max_steps,
-        save_steps=a.save_steps,
-        per_device_train_batch_size=a.per_device_batch,
-        planner_policy="default",
-        dataloader_drop_last=True,
-        **extra,
-    )
-    _install_kill(trainer, rank)
+    run_dir = a.run_dir or os.path.join(a.out, "run")
+    trainer = make_trainer(run_dir, save_steps=a.save_steps, planner_policy="default", **trainer_options(a))
+    _install_kill(trainer, rank())
     resume = True if a.resume == "last" else a.resume
     trainer.train(resume_from_checkpoint=resume)
-    state = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
-    os.makedirs(a.out, exist_ok=True)
-    save_file(state, os.path.join(a.out, f"rank{rank}.safetensors"))
-    with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
+    save_rank_weights(trainer, a.out)
+    with open(os.path.join(a.out, f"rank{rank()}.json"), "w") as f:
         json.dump({"losses": trainer.loss_recorder.losses, "global_step": trainer.state.global_step}, f)
 
 
