@@ -154,6 +154,7 @@ _RSS_CHILD = textwrap.dedent(
 
 
 @pytest.mark.skipif(not os.access("/proc/self/clear_refs", os.W_OK), reason="needs /proc/self/clear_refs (Linux)")
+@pytest.mark.slow  # 35-60 s under load: kept out of CI's default run
 def test_peak_rss_while_writing_is_under_two_layers(tmp_path):
     spec = {
         **bench.QWEN3_300M,

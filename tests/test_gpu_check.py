@@ -184,6 +184,7 @@ def check_plan_space(proc, report, cases: list[str], sanitizer: bool) -> None:
 FAST_CASES = ["nvme", "block_recompute"]
 
 
+@pytest.mark.slow  # 35-60 s under load: kept out of CI's default run
 def test_plan_space_fast_subset(tmp_path):
     """Two cases (NVMe tier with a recompute input on NVMe; block recompute), no sanitizer child: ~15 s."""
     proc, report = run_plan_space(tmp_path, FAST_CASES, sanitizer=False)
