@@ -84,6 +84,13 @@ def test_each_rank_holds_and_updates_only_its_partition(tmp_path):
     # Note: [The node's compute copy is shared by its ranks]: every unit's compute copy in the node's segment, once
     for s in ranks:
         assert s["compute_in_node_copy"] and s["node_copy_bytes"] >= single["compute_bytes"], s
+    # Note: [Parameters given back share the node copy]: the trained model given back to every rank is the node's one
+    # copy, read-only shared (copy-on-write), not one more copy of the whole model in each rank's own memory
+    print(f"streamed parameters given back: 1 rank {single['given_back']}, 2 ranks {[s['given_back'] for s in ranks]}")
+    model_bytes = single["given_back"]["own"]
+    assert model_bytes > 0 and single["given_back"]["node copy"] == 0
+    for s in ranks:
+        assert s["given_back"] == {"node copy": model_bytes, "own": 0, "node copy written": 0}, s["given_back"]
     # the trace's lane "net": per step, the fp32 gradients of the units a rank does not own (the accumulator bytes it
     # does not hold) sent to their owners; nothing gathered from another node on one node
     assert single["net"] == [{}] * 3

@@ -49,7 +49,10 @@ are a rank's (`host_footprint` with ``world`` and ``rank``) plus what a node hol
   NVMe. A node holds ``shared`` once plus the terms of each of its ranks (`WorldFootprint.node_total`).
 
 Not counted: the model's own tensors before the store replaces them (each streamed parameter's storage is released
-as its layer is stored), Python and library overhead, the activations of one layer's forward on a CPU device.
+as its layer is stored), Python and library overhead, the activations of one layer's forward on a CPU device, and the
+model given back at the end of `train()`: with one rank a copy of the streamed parameters made while the store still
+exists; in a data-parallel world nothing more, its parameters are views of the node's shared copy (Note: [Parameters
+given back share the node copy]).
 """
 
 from __future__ import annotations

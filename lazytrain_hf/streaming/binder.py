@@ -286,8 +286,22 @@ class ParameterBinder:
         return n
 
     def _restore_parameters(self) -> None:
-        """`remove()`: every parameter back on its original device with its current value, buffers back."""
+        """`remove()`: every parameter back on its original device with its current value, buffers back.
+
+        Note: [Parameters given back share the node copy]
+            In a data-parallel run every rank gets the whole trained model back, and a copy of each streamed
+            parameter per rank would make every rank hold the whole model in its own memory at the end of `train()`
+            (N copies per node, on top of the store still alive). A streamed parameter whose value is its compute
+            copy (the compute dtype is its own, its original device the CPU; with fp32 that is its master: Note:
+            [Compute copy aliases the fp32 master] in store.py) is instead given a view of the same bytes in the
+            rank's copy-on-write mapping of the node's segment (`NodeCopy.private_view`): the node's one copy, read
+            by every rank, until a rank writes a parameter, which then gets a page of its own. The mapping outlives
+            the node copy's `close` and goes with the last parameter viewing it. The node copy holds the final
+            values by then: every rank waited for the last updates of the units it does not own (`gather_masters`
+            calls the updater's ``wait_all``). Test: tests/test_trainer_ddp.py, each rank's partition.
+        """
         spill = getattr(self, "nvme_state", None)
+        node = self.store.node_copy
         with torch.no_grad():
             for st in self._all.values():
                 if st.store is None:
@@ -305,7 +319,13 @@ class ParameterBinder:
                         src = st.store.master_views[e.name]  # Note: [A bf16 compute copy of an fp32 model]
                     elif e.name in frozen:
                         src = frozen[e.name]
-                    e.param.data = src.to(e.orig_device, e.orig_dtype or e.dtype, copy=e.name not in frozen)
+                    shared = None
+                    if node is not None and e.orig_dtype is None and e.orig_device.type == "cpu":
+                        shared = node.private_view(src)  # Note: [Parameters given back share the node copy]
+                    if shared is not None:
+                        e.param.data = shared
+                    else:
+                        e.param.data = src.to(e.orig_device, e.orig_dtype or e.dtype, copy=e.name not in frozen)
                     e.param.grad = None
                 st.slot = None
                 st.bound = False

@@ -206,12 +206,16 @@ class _Segment:
         self.ints: memoryview | None = None
         self.mutex: ctypes.c_char | None = None
         self.data: torch.Tensor | None = None
+        self.private: torch.Tensor | None = None  # the data region, mapped copy-on-write (`NodeCopy.private_view`)
         self.registration: Registration | None = None
 
-    def map(self, fd: int, total: int, control_bytes: int) -> None:
+    def map(self, fd: int, total: int, control_bytes: int, data_off: int, data_nbytes: int) -> None:
         self.mm = mmap.mmap(fd, total)
         self.ints = memoryview(self.mm)[:control_bytes].cast("q")
         self.mutex = ctypes.c_char.from_buffer(self.mm, _MUTEX_OFF)
+        if data_nbytes:  # address space only until read: Note: [Parameters given back share the node copy]
+            cow = mmap.mmap(fd, total - data_off, mmap.MAP_PRIVATE, mmap.PROT_READ | mmap.PROT_WRITE, offset=data_off)
+            self.private = torch.frombuffer(cow, dtype=torch.uint8, count=data_nbytes)
 
     def unlink(self) -> None:
         try:
@@ -229,7 +233,7 @@ class _Segment:
             self.registration = None
         if self.named:
             self.unlink()
-        self.data = None
+        self.data = self.private = None
         self.mutex = None
         if self.ints is not None:
             self.ints.release()
@@ -325,7 +329,7 @@ class NodeCopy:
                     f"has {st.f_bavail * st.f_frsize} bytes free. Enlarge it (docker run --shm-size, or "
                     f"mount -o remount,size=... {SHM_DIR}) or plan for less host memory."
                 ) from e
-            self._seg.map(fd, self._total, self._versions_off + 8 * self.num_units)
+            self._seg.map(fd, self._total, self._versions_off + 8 * self.num_units, self._data_off, self.data_nbytes)
             ints = self._seg.ints
             pid, start = os.getpid(), _proc_start(os.getpid()) or 0
             for slot, value in (
@@ -385,7 +389,7 @@ class NodeCopy:
                     f"(data_nbytes={self.data_nbytes}, num_units={self.num_units}, local world "
                     f"{self.world.local_world_size}): every rank must pass the same sizes."
                 )
-            self._seg.map(fd, size, self._versions_off + 8 * self.num_units)
+            self._seg.map(fd, size, self._versions_off + 8 * self.num_units, self._data_off, self.data_nbytes)
         finally:
             os.close(fd)
         ints = self._seg.ints
@@ -516,6 +520,18 @@ class NodeCopy:
             )
         self.used = start + nbytes
         return self.data.narrow(0, start, nbytes).view(dtype)
+
+    def private_view(self, t: torch.Tensor) -> torch.Tensor | None:
+        """The bytes of ``t`` (a contiguous view of `data`) in this rank's copy-on-write mapping of the data region,
+        as a tensor of ``t``'s dtype and shape that outlives `close`; None when ``t`` is not in the data region.
+        Note: [Parameters given back share the node copy] in streaming/binder.py."""
+        private, data = self._seg.private, self._seg.data
+        if private is None or data is None or not t.is_contiguous():
+            return None
+        start, nbytes = t.data_ptr() - data.data_ptr(), t.numel() * t.element_size()
+        if not 0 <= start <= self.data_nbytes - nbytes:
+            return None
+        return private.narrow(0, start, nbytes).view(t.dtype).view(t.shape)
 
     # ------------------------------------------------------------------ versions
     def version(self, unit: int) -> int:

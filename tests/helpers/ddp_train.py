@@ -23,6 +23,29 @@ def _state_nbytes(value) -> int:
     return codes.numel() * codes.element_size() + absmax.numel() * absmax.element_size()
 
 
+def _given_back(params) -> dict[str, int]:
+    """Where the parameters given back by train() live: their bytes in the node's shared segment (``node copy``: a
+    mapping of a file of /dev/shm named ``lazytrain-...``) and in this process's own memory (``own``), and
+    ``node copy written``: bytes of that segment's mappings that became this process's own pages (copy-on-write;
+    smaps' ``Anonymous``)."""
+    spans, written, current = [], 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            head = line.split(maxsplit=5)
+            if "-" in head[0] and not head[0].endswith(":"):
+                lo, hi = (int(x, 16) for x in head[0].split("-"))
+                current = len(head) > 5 and os.path.basename(head[5]).startswith("lazytrain-")
+                spans.append((lo, hi, current))
+            elif head[0] == "Anonymous:" and current:
+                written += int(head[1]) * 1024
+    out = {"node copy": 0, "own": 0, "node copy written": written}
+    for p in params:
+        ptr = p.data_ptr()
+        shared = any(lo <= ptr < hi and cow for lo, hi, cow in spans)
+        out["node copy" if shared else "own"] += p.numel() * p.element_size()
+    return out
+
+
 def main() -> None:
     p = base_parser(max_steps=3)
     p.add_argument("--policy", default="default")
@@ -80,6 +103,7 @@ def main() -> None:
 
     NvmeState.update_unit = recording_update_unit
     stats: dict = {}
+    streamed_params: list = []
 
     class Record(TrainerCallback):
         def on_train_end(self, args, state, control, **kwargs):
@@ -97,6 +121,7 @@ def main() -> None:
                 if i in updated_nvme or any(id(m) in updated_ids for _, m, _ in entries)
             )
             stats["units"] = sorted(handle.store.layers)
+            streamed_params.extend(e.param for ls in handle.store.layers.values() for e in ls.entries)
             # the compute copies in the node's shared segment (data parallel), or in this process's memory
             nc = handle.store.node_copy
             if nc is not None:
@@ -125,6 +150,8 @@ def main() -> None:
     trainer.add_callback(Record())
     trainer.train()
     save_rank_weights(trainer, a.out)
+    # Note: [Parameters given back share the node copy]: after train() (and after reading them all to save them)
+    stats["given_back"] = _given_back(streamed_params)
     losses = ",".join(f"{x:.8f}" for x in trainer.loss_recorder.losses)
     with open(os.path.join(a.out, f"rank{me}.losses"), "w") as f:
         f.write(losses)
