@@ -20,6 +20,7 @@ import torch
 from lazytrain_hf import pinned, streams
 from lazytrain_hf.planner.layouts import align_up
 from lazytrain_hf.planner.world import World
+from lazytrain_hf.streaming import nodecopy
 from lazytrain_hf.streaming.nodecopy import (
     SHM_DIR,
     TIMEOUT_ENV,
@@ -325,6 +326,8 @@ def test_bad_timeout_env_is_refused(monkeypatch, raw):
 
 
 def test_timeout_env_default(monkeypatch):
+    # a LazyTrainer trained earlier in this process made its ddp_timeout the process's default: start from none
+    monkeypatch.setattr(nodecopy, "_default_timeout", (nodecopy.DEFAULT_TIMEOUT_S, TIMEOUT_ENV))
     monkeypatch.delenv(TIMEOUT_ENV, raising=False)
     assert dp_timeout_s() == 600.0
     monkeypatch.setenv(TIMEOUT_ENV, "42.5")
