@@ -3,14 +3,14 @@
 - The chunked loss: the allocator's peak over its forward and backward equals the executor's accounting
   (``stats["peak_bytes"]``) and the formula ``8 x chunk x V + N x d x db + V x d x db`` (the fp32 logits of one chunk
   and their log-probabilities, the hidden-state gradient, the lm_head gradient), at two shapes, fp32 and bf16; the
-  cost model's ``head_ws_bytes + head_grad_bytes`` is above it (what it over-counts is printed).
+  cost model's ``head_ws_bytes + head_grad_bytes`` (`memmodel.head_working_set`, which adds the final norm's graph)
+  is above it.
 - Every layer kind (dense, MoE, gated delta rule and gated attention of qwen3.5, qwen2's biased attention, eager
   attention) at two batch sizes: the allocator's peak increment over a layer's forward and over its backward
-  (beyond what was live when it began) against the stage model's charge for the same phase (forward:
-  ``saved + ws_fwd - x``; backward: ``ws_bwd + grad``, the saved tensors being held already) and against the
-  megatrain model's backward charge (``ws_bwd - 3 N I db + grad``, Note: [MegaTrain's backward working set] in
-  baselines.py). Both models are upper bounds of the measurement; the measured backward increment is below even
-  megatrain's single gate/up-sized gradient, so of the two the megatrain term is the right one (4 x N x I is not).
+  (beyond what was live when it began) against `memmodel`'s terms for the same phase (forward: ``saved + ws_fwd -
+  x``; backward: ``ws_bwd + grad - x``, the saved tensors and the incoming gradient being held already).
+- The plan space: the stage model's predicted peak within 5% of the executor's measured peak on the CPU device,
+  per layer kind, at batch sizes 1 and 4 (`test_predicted_peak_is_the_executors_measured_peak*`).
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ def test_chunked_loss_working_set_is_measured(dtype, B, T, V, d, chunk):
     assert modelled >= tr.peak
 
 
-def _tiny(model_type: str, attn: str):
+def _tiny(model_type: str, attn: str, **overrides):
     base = dict(
         hidden_size=256,
         intermediate_size=768,
@@ -78,6 +78,7 @@ def _tiny(model_type: str, attn: str):
         )
     if model_type == "qwen2":
         base.pop("head_dim")
+    base.update(overrides)
     cfg = transformers.AutoConfig.for_model(model_type, **base)
     cfg._attn_implementation = attn
     return cfg
@@ -126,17 +127,132 @@ def test_layer_working_sets_are_bounded_by_the_models(model_type, attn, dtype):
                 continue
             seen.add(lc.kind)
             f_peak, b_peak = measure_layer(layer, model.model.rotary_emb, B, T, d, dtype)
-            moe = "+moe" in lc.kind
-            inner = cfg.moe_intermediate_size * cfg.num_experts_per_tok if moe else cfg.intermediate_size
             f_model = lc.saved_bytes + lc.ws_fwd_bytes - x  # the input was live before the forward began
             b_model = lc.ws_bwd_bytes + lc.grad_bytes - x  # the incoming gradient was live before the backward
-            b_megatrain = b_model - 3 * N * inner * db
-            rows.append((lc.kind, B, f_peak, f_model, b_peak, b_model, b_megatrain))
-    for kind, B, f_peak, f_model, b_peak, b_model, b_mt in rows:
+            rows.append((lc.kind, B, f_peak, f_model, b_peak, b_model, lc.grad_bytes))
+    for kind, B, f_peak, f_model, b_peak, b_model, g in rows:
         print(
-            f"{model_type} {attn} {dtype} {kind} B={B}: forward measured {f_peak / MIB:.3f} MiB, stage model "
-            f"{f_model / MIB:.3f}; backward measured {b_peak / MIB:.3f} MiB, stage model {b_model / MIB:.3f}, "
-            f"megatrain model {b_mt / MIB:.3f}"
+            f"{model_type} {attn} {dtype} {kind} B={B}: forward measured {f_peak / MIB:.3f} MiB, model "
+            f"{f_model / MIB:.3f}; backward measured {b_peak / MIB:.3f} MiB, model {b_model / MIB:.3f} (g {g / MIB:.3f})"
         )
-        assert f_model >= 0.95 * f_peak, (kind, B, f_peak, f_model)  # within 5% or above
-        assert b_mt >= b_peak, (kind, B, b_peak, b_mt)  # one gate/up-sized gradient is enough (not four)
+        assert abs(f_model - f_peak) <= 0.05 * f_peak, (kind, B, f_peak, f_model)
+        # the backward's peak against its weight gradients g: within a quarter of g (measured 0.5-1.0 g)
+        assert abs(b_model - b_peak) <= 0.25 * g, (kind, B, b_peak, b_model, g)
+
+
+# ---------------------------------------------------------------------------------------------------- plan space
+# Layer kinds: dense (qwen3, qwen2's biased attention), eager attention, MoE (qwen3_moe), gated delta rule and gated
+# attention (qwen3_5_text: 3 linear-attention layers, then a full one). qwen3_5 runs in bf16: in fp32 its layers save
+# more than `costmodel.layer_saved_bytes` counts (3 N d fp32 per linear-attention layer, N d per gated attention one).
+KINDS = {
+    "dense": ("qwen3", "sdpa", torch.float32),
+    "dense_bias": ("qwen2", "sdpa", torch.bfloat16),
+    "eager": ("qwen3", "eager", torch.bfloat16),
+    "moe": ("qwen3_moe", "sdpa", torch.float32),
+    "moe_bf16": ("qwen3_moe", "sdpa", torch.bfloat16),
+    "delta_rule": ("qwen3_5_text", "sdpa", torch.bfloat16),
+}
+T_SWEEP, CHUNK = 128, 256
+
+
+def _plan(cfg, name: str, B: int):
+    """A point of the plan space by name (every layer the same, or a mix of everything)."""
+    from lazytrain_hf import models
+    from lazytrain_hf.planner.plan import LayerPlan, Plan
+
+    kinds = models.layer_kinds(cfg)
+    L = len(kinds)
+    policy = {"keep": ("keep", "gpu"), "offload_cpu": ("offload_cpu", "gpu"), "rec_gpu": ("recompute", "gpu")}
+    policy |= {"rec_cpu": ("recompute", "cpu"), "block2": ("recompute", "gpu"), "ahead2": ("keep", "gpu")}
+    policy |= {"resident": ("keep", "gpu"), "chunk64": ("keep", "gpu")}
+    layers = []
+    for i, k in enumerate(kinds):
+        if name == "mixed":  # keep, offload, recompute from the host and the device; layer 1 resident
+            pol, tier = [("keep", "gpu"), ("offload_cpu", "gpu"), ("recompute", "cpu"), ("recompute", "gpu")][i % 4]
+        else:
+            pol, tier = policy[name]
+        layers.append(
+            LayerPlan(
+                index=i,
+                kind=k,
+                policy=pol,
+                input_tier=tier,
+                resident=(name == "mixed" and i == 1) or (name == "resident" and i < L // 2),
+                fetch_fwd_ahead=2 if name == "ahead2" else 1,
+                fetch_bwd_ahead=2 if name == "ahead2" else 1,
+            )
+        )
+    return Plan(
+        layers=layers,
+        micro_batch_size=B,
+        seq_len=T_SWEEP,
+        loss_chunk_tokens=64 if name == "chunk64" else CHUNK,
+        checkpoint_every=2 if name == "block2" else 1,
+    )
+
+
+def _predicted_and_measured(kind: str, plan_name: str, B: int) -> tuple[int, int]:
+    from helpers.memtrace import executor_step_peak
+
+    from lazytrain_hf import models
+    from lazytrain_hf.planner.stages import evaluate_plan
+
+    model_type, attn, dtype = KINDS[kind]
+    cfg = _tiny(model_type, attn, num_hidden_layers=4, vocab_size=2048, tie_word_embeddings=False)
+    if model_type == "qwen3_5_text":
+        assert models.layer_kinds(cfg) == ["linear_attention"] * 3 + ["full_attention"]
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).train()
+    plan = _plan(cfg, plan_name, B)
+    db = torch.tensor([], dtype=dtype).element_size()
+    cm = CostModel.from_config(
+        cfg, get_profile("cpu"), T_SWEEP, B, dtype_bytes=db, loss_chunk_tokens=plan.loss_chunk_tokens,
+        attn_implementation=attn,
+    )  # fmt: skip
+    predicted = evaluate_plan(plan, cm).peak_gpu_bytes
+    measured = executor_step_peak(model, plan, torch.randint(0, cfg.vocab_size, (B, T_SWEEP)))
+    print(
+        f"{kind:10s} {model_type:12s} {attn:5s} {str(dtype)[6:]:8s} B={B} {plan_name:11s}: predicted "
+        f"{predicted / MIB:7.2f} MiB, measured {measured / MIB:7.2f} MiB, predicted / measured {predicted / measured:.3f}"
+    )
+    return predicted, measured
+
+
+# the default run: a few points (~10 s each on 2 cores); every kind at every plan below is `slow` (MoE and the torch
+# gated delta rule take ~30 s a point)
+FAST = [("dense", "mixed", 1), ("dense", "mixed", 4), ("dense_bias", "keep", 4), ("eager", "mixed", 1)]
+PLANS = ("keep", "mixed", "offload_cpu", "rec_gpu", "rec_cpu", "block2", "ahead2", "resident", "chunk64")
+SLOW = [(k, p, B) for k in KINDS for p in PLANS for B in (1, 4) if (k, p, B) not in FAST]
+# Qwen3-MoE in bf16 at batch 1: the backward of the fused expert parameters holds ~1.5 gate_up gradients more than
+# `memmodel.backward_working_set` (which fits fp32 at both batch sizes and bf16 at batch 4)
+KNOWN_GAPS = {("moe_bf16", p, 1) for p in ("keep", "mixed", "offload_cpu")}
+
+
+def _check(kind: str, plan_name: str, B: int) -> None:
+    predicted, measured = _predicted_and_measured(kind, plan_name, B)
+    assert abs(predicted - measured) <= 0.05 * measured, (kind, plan_name, B, predicted, measured)
+
+
+@pytest.mark.sync_engine
+@pytest.mark.parametrize("kind,plan_name,B", FAST)
+def test_predicted_peak_is_the_executors_measured_peak(kind, plan_name, B):
+    """The stage model's peak (`stages.evaluate_plan`, with the terms of `memmodel` that the MILP, the megatrain
+    model and the simulator charge too) within 5% of the executor's measured device peak on the CPU device
+    (`helpers.memtrace.executor_step_peak`)."""
+    _check(kind, plan_name, B)
+
+
+@pytest.mark.slow
+@pytest.mark.sync_engine
+@pytest.mark.parametrize(
+    "kind,plan_name,B",
+    [
+        pytest.param(*c, marks=pytest.mark.xfail(strict=True, reason="a known gap of the memory model (KNOWN_GAPS)"))
+        if c in KNOWN_GAPS
+        else c
+        for c in SLOW
+    ],
+)
+def test_predicted_peak_is_the_executors_measured_peak_everywhere(kind, plan_name, B):
+    """Every layer kind at every plan of `PLANS` at batch sizes 1 and 4."""
+    _check(kind, plan_name, B)

@@ -31,6 +31,7 @@ from typing import Any
 
 from ..models import layer_kinds
 from .hardware import HardwareProfile, get_profile
+from .memmodel import head_working_set, layer_working_sets  # the executor's memory terms (memmodel.py)
 from .memterms import MEMORY_PASSES_BWD, MEMORY_PASSES_FWD, rmsnorm_saved  # memory-bound traffic terms (memterms.py)
 from .plan import POLICIES
 
@@ -385,8 +386,8 @@ class LayerCost:
         saved_bytes: ``A_i``, what the layer saves for backward under ``keep``.
         flops_fwd: forward FLOPs (backward is 2x).
         fwd_s, bwd_s: forward / backward seconds (``f_i``, ``k_i``); recompute costs ``fwd_s`` again.
-        ws_fwd_bytes, ws_bwd_bytes: transient device memory while the layer computes forward / backward, beyond its
-            saved tensors and weights (hidden states in and out, unsaved intermediates, activation gradients).
+        ws_fwd_bytes, ws_bwd_bytes, ws_nosave_bytes: the executor's memory terms (`memmodel`): forward beyond A,
+            backward beyond A and g, a forward that saves only its input beyond it.
         optimizer_s: ``o_i``, CPU optimizer seconds for the layer's parameters.
     """
 
@@ -402,6 +403,7 @@ class LayerCost:
     bwd_s: float
     ws_fwd_bytes: int
     ws_bwd_bytes: int
+    ws_nosave_bytes: int
     optimizer_s: float
 
     @property
@@ -430,7 +432,7 @@ class CostModel:
     head_params: int  # 0 when lm_head is tied to the embedding
     head_flops: float  # final norm + lm_head + cross entropy, forward and backward
     head_s: float  # head forward + backward, and the embedding's backward (it has no stage of its own)
-    head_ws_bytes: int  # chunked-loss working set (one chunk's logits, fp32 copy and gradient) + hidden states
+    head_ws_bytes: int  # final norm's graph + chunked loss (memmodel.head_working_set); lm_head grad apart
     config: Any = field(default=None, repr=False)
     measured: bool = False
     serial_lanes: bool = False  # Note: [Serial lanes on the CPU device] (hardware.py): lanes add, never overlap
@@ -476,9 +478,8 @@ class CostModel:
             terms = layer_compute_terms(config, kind, B, T, dtype_bytes, attn_implementation)
             flops = terms["gemm"] + terms["attention"] + terms["linear_attention"] + terms["moe"]
             fwd_s, bwd_s = layer_seconds(terms, hardware)
-            x = N * d * dtype_bytes
-            act_inner = inner_width(config, kind) * (int(config.num_experts_per_tok) if "+moe" in kind else 1)
             eager_probs = B * m["H"] * T * T * FP32 if (attn_implementation == "eager" and "full" in kind) else 0
+            wf, wb, wn = layer_working_sets(config, kind, N, dtype_bytes, p, gdb, eager_probs, gated_attention(config))
             layers.append(
                 LayerCost(
                     index=i,
@@ -486,15 +487,14 @@ class CostModel:
                     params=p,
                     weight_bytes=p * dtype_bytes,
                     grad_bytes=p * gdb,
-                    input_bytes=x,
+                    input_bytes=N * d * dtype_bytes,
                     saved_bytes=layer_saved_bytes(config, kind, B, T, dtype_bytes, attn_implementation),
                     flops_fwd=flops,
                     fwd_s=fwd_s,
                     bwd_s=bwd_s,
-                    # in + out hidden states and one gate/up pair in flight (what a recomputed forward holds)
-                    ws_fwd_bytes=2 * x + 2 * N * act_inner * dtype_bytes + eager_probs,
-                    # gradient in/out, fp32 norm upcast, gate/up gradients beside the recomputed pair
-                    ws_bwd_bytes=2 * x + N * d * FP32 + 4 * N * act_inner * dtype_bytes + 2 * eager_probs,
+                    ws_fwd_bytes=wf,
+                    ws_bwd_bytes=wb,
+                    ws_nosave_bytes=wn,
                     optimizer_s=p / hardware.cpu_optimizer_params_per_s,
                 )
             )
@@ -504,8 +504,7 @@ class CostModel:
         if tied:
             embed_params += d  # final norm rides with the embedding
         head_flops = 3 * 2 * N * d * V  # lm_head forward (2NdV) + backward (4NdV)
-        chunk = min(loss_chunk_tokens, N)
-        head_ws = chunk * V * (dtype_bytes + FP32 + FP32) + 3 * N * d * FP32
+        head_ws = head_working_set(N, d, V, loss_chunk_tokens, dtype_bytes)
         cm = cls(
             layers=layers,
             hardware=hardware,

@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
+from .memmodel import held_grad_bytes, slot_pools
 from .plan import Plan
 from .schedule import sizes_from_cost_model, step_transfers, unit_owners_of
 from .world import optimizer_rate_per_rank
@@ -216,9 +217,23 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
         lp, lc = plan.layers[i], cm.layers[i]
         if K > 1:
             return lc.input_bytes if i % K == 0 else 0
+        if serial and lp.tier != "gpu":
+            return lc.input_bytes  # memmodel: the CPU device copies each saved tensor out as it is saved
         return lc.saved_bytes if lp.policy != "recompute" else lc.input_bytes
 
-    alloc(0.0, cm.fixed_device_bytes)
+    # the memory terms of `memmodel`: slot pools held the whole run (a layer's fetch uses a slot of its kind's pool)
+    pools = slot_pools(plan, [lc.weight_bytes for lc in cm.layers], [lc.kind for lc in cm.layers])
+    alloc(0.0, cm.fixed_device_bytes + sum(pools.values()))
+    head_held = held_grad_bytes(cm)[0]
+
+    def slotted(tr) -> bool:  # a layer's weights, into a slot of its pool
+        return tr.what.startswith("fetch") and tr.layer is not None and 0 <= tr.layer < L
+
+    def ws_fwd(i: int) -> int:  # a forward that saves its tensors, or one that keeps only its input
+        lp, lc = plan.layers[i], cm.layers[i]
+        saves = K == 1 and (lp.policy == "keep" or (lp.policy.startswith("offload") and not serial))
+        return lc.ws_fwd_bytes if saves else lc.ws_nosave_bytes
+
     for lp in plan.layers:
         if lp.resident:
             alloc(0.0, cm.layers[lp.index].weight_bytes)
@@ -243,7 +258,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                     dep = max(dep, land.get((src, tr.layer), done.get(("offload", tr.layer), 0.0)))
                 _, e = move(tr, dep)
                 land[(tr.what, tr.layer)] = e
-                if tr.lane == "h2d":
+                if tr.lane == "h2d" and not slotted(tr):
                     alloc(begin, tr.nbytes)
                 if tr.what == "reload" and plan.layers[tr.layer].tier == "cpu":
                     host.append((e, -tr.nbytes))
@@ -256,10 +271,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 if lp.resident:
                     need.append(prev_opt.get(("upload", i), 0.0))
                 start, end = lanes.run("compute", max(begin, *need), lc.fwd_s, f"F{i}")
-                alloc(start, lc.ws_fwd_bytes + held(i))
-                free(end, lc.ws_fwd_bytes)
-                w = lc.weight_bytes if ("fetch_fwd", i) in land and not plan.keeps_bound_after_forward(i) else 0
-                free(end, w)
+                alloc(start, ws_fwd(i) + held(i))
+                free(end, ws_fwd(i))
                 d_end = end
                 for tr in after_compute.get((i, "F"), []):
                     if tr.what == "offload":
@@ -275,14 +288,13 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 continue
             if s == L:  # ---- head: final norm, lm_head, chunked loss forward and backward
                 start, end = lanes.run("compute", max(begin, land.get(("fetch_fwd", L), 0.0)), cm.head_s, "head")
-                alloc(start, cm.head_ws_bytes + cm.head_grad_bytes)
+                alloc(start, cm.head_ws_bytes + head_held)
                 free(end, cm.head_ws_bytes)
                 for tr in after_compute.get((L, "H"), []):
                     _, ge = move(tr, end)
                     done[("grad", L)] = ge
                     grads_down = max(grads_down, ge)
                     reduce_after(L, ge)
-                free(max(end, grads_down), cm.head_grad_bytes)
                 t = end
                 continue
             i = 2 * L - s  # ---- backward of layer i (recomputation included)
@@ -292,25 +304,23 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
             dur = lc.bwd_s
             if K == 1 and lp.policy == "recompute":
                 dur += lc.fwd_s
-            extra = rec_slots = 0
+            extra = 0
             if K > 1 and plan.block_top(i) == i:
                 block = [k for k in range(L) if plan.block_top(k) == i]
                 dur += sum(cm.layers[k].fwd_s for k in block)
                 need += [land.get(("fetch_rec", k), 0.0) for k in block]
                 extra = sum(cm.layers[k].saved_bytes for k in block)  # each freed by its layer's backward
-                rec_slots = sum(cm.layers[k].weight_bytes for k in block if ("fetch_rec", k) in land)
             recomputes = lp.policy == "recompute"
+            ws_b = lc.ws_bwd_bytes + (max(0, lc.ws_fwd_bytes - lc.grad_bytes) if recomputes or K > 1 else 0)
             start, end = lanes.run("compute", max(begin, *need), dur, f"B{i}")
-            alloc(start, lc.ws_bwd_bytes + lc.grad_bytes + extra + (lc.saved_bytes if recomputes and K == 1 else 0))
-            free(end, lc.ws_bwd_bytes + (lc.saved_bytes if recomputes else 0) + rec_slots)
+            alloc(start, ws_b + lc.grad_bytes + extra + (lc.saved_bytes if recomputes and K == 1 else 0))
+            free(end, ws_b + (lc.saved_bytes if recomputes else 0))
             if K == 1 and lp.tier == "gpu":
                 free(end, held(i))
             elif K == 1:
                 free(end, _reloaded(cm, lp, i))
             elif i % K == 0:
                 free(end, lc.input_bytes)
-            if not lp.resident:
-                free(end, lc.weight_bytes)
             g_end = end
             for tr in after_compute.get((i, "B"), []):
                 _, g_end = move(tr, end)
@@ -325,6 +335,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
             reduce_after(-1, ge)
         # ---- optimizer step: once every gradient is on the host (the global norm), in the updater's order
         b_end = t
+        free(b_end, head_held)  # the lm_head's gradient, held until the optimizer step
         b0_end.append(b_end)
         opt: dict[Any, float] = {}
         res_grad = [tr for tr in per_step if tr.what == "grad"]

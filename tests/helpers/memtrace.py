@@ -42,3 +42,24 @@ class AllocationTrace:
 
 def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
+
+
+def executor_step_peak(model, plan, input_ids: torch.Tensor, steps: int = 2) -> int:
+    """The executor's device peak over one training step (forward, chunked loss, backward) of ``plan`` on the CPU
+    device, from the allocator's own records: the device bytes the executor holds when the step begins (slot pools,
+    resident parameters; `StreamHandle.memory_stats`) plus the allocator's peak increment over the step. The last of
+    ``steps`` steps is measured (the first ones fill the host buffer pools). Run it on the synchronous engine: the
+    profiler records only the calling thread's allocations, and a worker thread's frees would be missed."""
+    from lazytrain_hf.streaming import attach
+
+    handle = attach(model, plan=plan)
+    try:
+        for _ in range(steps):
+            start = handle.memory_stats()["device_bytes"]
+            with AllocationTrace() as tr:
+                loss = handle.causal_lm_loss(model, {"input_ids": input_ids, "labels": input_ids})
+                loss.backward()
+            handle.zero_grad()
+    finally:
+        handle.remove()
+    return start + tr.peak

@@ -1,0 +1,179 @@
+"""The executor's device memory, term by term: one model that the stage model (`stages.evaluate_plan`), the MILP
+(`formulation.build_milp`), MegaTrain's model (`baselines.evaluate_megatrain`) and the simulator (`simulate`) charge.
+
+Every term is what the executor really allocates, measured with the CPU allocator's own records (a counting
+allocator over the profiler's allocation events, `tests/helpers/memtrace.py`) on tiny qwen2 / qwen3 / qwen3_moe /
+qwen3_5 (gated delta rule and gated attention) layers, sdpa and eager attention, fp32 and bf16, at two batch sizes;
+`tests/test_memory_model.py` holds each term against the allocator and the whole model's predicted peak against the
+executor's measured peak over the plan space. Symbols as in `costmodel`: N = B x T tokens, d hidden size, db the
+compute dtype's bytes, I the MLP (or routed experts' k x Ie) intermediate width, E experts, V vocabulary, C loss-chunk
+tokens, x = N d db one hidden state.
+
+Per decoder layer (`LayerCost` fields):
+
+- ``saved_bytes`` A: what autograd saves (the layer input included), exact (`costmodel.layer_saved_bytes`);
+- ``ws_fwd_bytes``: the peak of a forward that saves A, beyond A: the output and the fp32 upcasts of the residual
+  norms (`forward_working_set`);
+- ``ws_nosave_bytes``: the peak of a forward that saves nothing but its input (a recomputed layer's first forward;
+  on the CPU device also an offloaded layer's, whose saved tensors are copied out as they are saved), beyond the input:
+  the MLP's gate, up and activation outputs at once, or the attention core's transients (`nosave_working_set`);
+- ``ws_bwd_bytes``: with the weight gradients g, the backward holds ``ws_bwd + g`` beyond its saved tensors: the
+  incoming hidden-state gradient and the peak of the backward itself (`backward_working_set`).
+
+Per step (`stage_charges`): the head stage holds the final norm's graph and the chunked loss (`head_working_set`);
+the gradient of a parameter that is not streamed (lm_head, embedding) is held from the stage that makes it until the
+optimizer step; the slot pool of each layer kind is allocated for the whole step (`slot_pools`, the executor's
+sizing rule in `streaming/binder.py`); a layer's gradients leave the device after its backward stage (CUDA: one stage
+later, their D2H copy in flight); on the CPU device (serial lanes) an offloaded tensor is copied as it is saved, so an
+offloaded layer never holds its saved bytes on the device during its forward.
+
+Pure arithmetic; imports nothing of the package (and not torch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+FP32 = 4
+SLOT_ALIGN = 256  # a slot's size is rounded up to this (`layouts.ALIGN_BYTES`, which imports torch)
+
+
+# ------------------------------------------------------------------------------------------------ per layer
+def layer_working_sets(
+    config: Any, kind: str, N: int, db: int, params: int, gdb: int, attention_probs: int, gated: bool
+) -> tuple[int, int, int]:
+    """``(ws_fwd, ws_bwd, ws_nosave)`` of one decoder layer of ``kind`` (``params`` parameters, gradients of
+    ``gdb`` bytes) for N tokens (bytes): `forward_working_set`, `backward_working_set` and `nosave_working_set` from
+    the config's widths; ``attention_probs`` the eager attention's fp32 probabilities (0 with sdpa), ``gated``: gated
+    attention."""
+    d = int(config.hidden_size)
+    E = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+    moe = "+moe" in kind
+    inner = (
+        int(config.moe_intermediate_size) * int(config.num_experts_per_tok) if moe else int(config.intermediate_size)
+    )
+    value_width = int(getattr(config, "linear_num_value_heads", 0) or 0) * int(
+        getattr(config, "linear_value_head_dim", 0) or 0
+    )
+    return (
+        forward_working_set(N, d, db, kind, gated, E if moe else 0),
+        backward_working_set(
+            N,
+            d,
+            inner,
+            db,
+            params * gdb,
+            first_grad_params(config, kind) * gdb,
+            N * int(config.num_experts_per_tok) if moe else 0,
+        ),
+        nosave_working_set(N, d, inner, db, kind, E if moe else 0, attention_probs, value_width),
+    )
+
+
+def forward_working_set(N: int, d: int, db: int, kind: str, gated: bool, experts: int) -> int:
+    """Peak of a forward that saves its tensors, beyond them (bytes): the output and the residual norms' fp32 upcasts,
+    ``2 N d`` fp32 for every kind in bf16. In fp32 the upcasts are no-ops and other intermediates take their place:
+    gated attention ``3 N d``, the gated delta rule ``6 N d`` fp32. An MoE block adds ``2 N d`` fp32 (routed hidden
+    states gathered and scattered back) and its router logits and weights (``2 N E`` fp32)."""
+    c = 2
+    if db == FP32 and kind.startswith("linear_attention"):
+        c = 6
+    elif db == FP32 and gated:
+        c = 3
+    out = c * N * d * FP32
+    if "+moe" in kind:
+        out += 2 * N * d * FP32 + 2 * N * experts * FP32
+    return out
+
+
+def nosave_working_set(
+    N: int, d: int, inner: int, db: int, kind: str, experts: int, attention_probs: int, value_width: int
+) -> int:
+    """Peak of a forward that saves nothing but its input, beyond the input (bytes): the larger of its phases plus the
+    output and the residual sum (``2 x``). MLP: gate, up and the activation alive at once (``3 N I db``); MoE block:
+    ``8 x`` (tokens gathered per expert, their outputs and the scatter target) and the router's ``2 N E`` fp32;
+    eager attention: its fp32 probabilities; gated delta rule: ``14 N Dv`` fp32 + ``4 N Dv db`` (Dv the value width;
+    the chunked delta rule's fp32 state, decays and per-chunk products)."""
+    x = N * d * db
+    mlp = 8 * x + 2 * N * experts * FP32 if "+moe" in kind else 3 * N * inner * db
+    attn = attention_probs
+    if kind.startswith("linear_attention"):
+        attn = 14 * N * value_width * FP32 + 4 * N * value_width * db
+    return max(mlp, attn) + 2 * x
+
+
+def backward_working_set(
+    N: int, d: int, inner: int, db: int, grad_bytes: int, first_grad_bytes: int, routed: int
+) -> int:
+    """What a layer's backward holds beyond its saved tensors and its weight gradients ``g`` (bytes; negative when
+    saved tensors are freed before the last gradients appear): the incoming hidden-state gradient ``x``, and the
+    peak of the backward itself beyond ``A + x``: ``min(g, g_first + 2 N I db - 3 R d db)``, the first weight gradient
+    of the MLP (its down projection; an MoE block's fused expert gradients, one tensor for every expert) with the two
+    intermediate-sized activation gradients of the gated product, less what an MoE block frees before its fused
+    gradients are complete (the R = N k routed tokens' gathered hidden states, gate/up and expert outputs), or, once
+    those are freed, every gradient of the layer (the saved tensors they replace were freed first). Measured
+    0.5-1.0 g beyond ``A + x`` on every kind at two batch sizes (`tests/test_memory_model.py`)."""
+    first = max(0, first_grad_bytes + 2 * N * inner * db - 3 * routed * d * db)
+    return N * d * db + min(grad_bytes, first) - grad_bytes
+
+
+def first_grad_params(config: Any, kind: str) -> int:
+    """Parameters whose gradient a layer's backward makes first: the MLP's down projection (``d x I``), or an MoE
+    block's fused experts (``3 x E x d x Ie``, one gradient tensor for all experts)."""
+    d = int(config.hidden_size)
+    if "+moe" in kind:
+        E = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+        return 3 * E * d * int(config.moe_intermediate_size)
+    return d * int(config.intermediate_size)
+
+
+def head_working_set(N: int, d: int, V: int, chunk: int, db: int) -> int:
+    """The head stage beyond the last layer's output and the lm_head gradient (bytes): the final norm's graph (its
+    fp32 upcast, ``rsqrt``, the normalized hidden state and the norm's output; in fp32 the upcast is the input itself)
+    and the chunked loss: one chunk's fp32 logits and their log-probabilities (``8 C V``) and the gradient of the
+    hidden state (``N d db``) (`streaming/loss.py`)."""
+    C = min(chunk, N)
+    norm = N * d * (2 * db + (0 if db == FP32 else FP32)) + N * FP32
+    return norm + 8 * C * V + N * d * db
+
+
+# ------------------------------------------------------------------------------------------------ per plan
+def slot_pools(plan: Any, weight_bytes: Sequence[int], kinds: Sequence[str]) -> dict[str, int]:
+    """Bytes of the executor's slot pool of each layer kind for ``plan``: ``min(n, max(1, depth) + 1 + extra)``
+    slots of the kind's largest streamed layer (256-byte aligned), ``n`` its streamed layers, ``depth`` their deepest
+    fetch ahead, ``extra = min(2, K - 1 - backward depth)`` for block checkpointing every K layers
+    (`streaming/binder.py`, Note: [Block recomputation binds its layers one by one]). Allocated at attach, held the
+    whole step."""
+    by_kind: dict[str, list[int]] = {}
+    for lp in plan.layers:
+        if not lp.resident:
+            by_kind.setdefault(kinds[lp.index], []).append(lp.index)
+    pools = {}
+    for kind, idx in by_kind.items():
+        nbytes = -(-max(weight_bytes[i] for i in idx) // SLOT_ALIGN) * SLOT_ALIGN
+        depth = max(max(plan.layers[i].fetch_fwd_ahead, plan.layers[i].fetch_bwd_ahead) for i in idx)
+        bwd_depth = max(plan.layers[i].fetch_bwd_ahead for i in idx)
+        pools[kind] = nbytes * min(len(idx), pool_slots(plan.checkpoint_every, depth, bwd_depth))
+    return pools
+
+
+def pool_slots(K: int, depth: int, bwd_depth: int) -> int:
+    """Slots of one kind's pool for fetch depth ``depth`` (forward or backward), backward depth ``bwd_depth`` and
+    block checkpointing every ``K`` layers (1: none), before the cap at the number of streamed layers."""
+    return max(1, depth) + 1 + min(2, max(0, K - 1 - bwd_depth))
+
+
+def held_grad_bytes(cm: Any) -> tuple[int, int]:
+    """``(from the head stage, from B_0)``: gradients of parameters that are not streamed, held until the optimizer
+    step: the lm_head + final norm's from the head stage (a tied lm_head's is the embedding's, from the head stage
+    too), the embedding's from its backward at the end of ``B_0``."""
+    if cm.head_params:
+        return cm.head_grad_bytes, cm.embed_grad_bytes
+    return cm.embed_grad_bytes, 0
+
+
+def grads_leave_next_stage(cm: Any) -> bool:
+    """Whether a layer's device gradients are held one stage after its backward (their D2H in flight on CUDA); on the
+    CPU device (serial lanes) they are added into the host accumulators at once."""
+    return not getattr(cm, "serial_lanes", False)
