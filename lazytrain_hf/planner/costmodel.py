@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import layer_kinds
+from ..streams import simulate_async
 from .hardware import HardwareProfile, get_profile
 from .memmodel import head_working_set, layer_working_sets  # the executor's memory terms (memmodel.py)
 from .memterms import MEMORY_PASSES_BWD, MEMORY_PASSES_FWD, rmsnorm_saved  # memory-bound traffic terms (memterms.py)
@@ -436,6 +437,7 @@ class CostModel:
     config: Any = field(default=None, repr=False)
     measured: bool = False
     serial_lanes: bool = False  # Note: [Serial lanes on the CPU device] (hardware.py): lanes add, never overlap
+    inline_copies: bool = False  # the executor copies synchronously (CPU, no simulated lanes): memmodel.copies_inline
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -522,6 +524,7 @@ class CostModel:
             head_ws_bytes=int(head_ws),
             config=config,
             serial_lanes=hardware.serial_lanes,
+            inline_copies=hardware.serial_lanes and not simulate_async(),
         )
         if hardware.layer_times and hardware.layer_times_shape:
             cm = cm._with_profile_layer_times()

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import SLOT_ALIGN, grads_leave_next_stage, held_grad_bytes, pool_slots
+from .memmodel import SLOT_ALIGN, copies_inline, grads_leave_next_stage, held_grad_bytes, pool_slots
 from .plan import Plan
 from .stages import (
     OPTIONS,
@@ -181,7 +181,7 @@ def build_milp(
     const_d2h = [0.0] * S
     const_mem = [0.0] * (S + 1)
     const_nvw = [0.0] * S
-    serial = bool(getattr(cm, "serial_lanes", False))
+    inline = copies_inline(cm)
     late_grads = grads_leave_next_stage(cm)
     for i, lc in enumerate(cm.layers):
         sB = 2 * L - i
@@ -225,7 +225,7 @@ def build_milp(
                     mem[s].append((x, v))
             else:
                 off = A if o.startswith("offload") else x
-                if serial:  # the CPU device copies each saved tensor out as it is saved (memmodel)
+                if inline:  # the synchronous CPU engine copies each saved tensor out as it is saved (memmodel)
                     mem[i].append((x, v))
                 else:
                     mem[i].append((off, v))
@@ -237,7 +237,7 @@ def build_milp(
                 comp[sB].append((lc.fwd_s, v))  # recomputation
                 mem[sB].append((A + max(0, lc.ws_fwd_bytes - lc.grad_bytes), v))  # recomputed activations in B_i
             # the forward's working set (memmodel): one that saves A, or one that keeps only its input
-            saves = o == "keep" or (o.startswith("offload") and not serial)
+            saves = o == "keep" or (o.startswith("offload") and not inline)
             mem[i].append((lc.ws_fwd_bytes if saves else lc.ws_nosave_bytes, v))
         for (o, a), y in yR[i].items():
             off = A if o.startswith("offload") else x

@@ -15,17 +15,19 @@ Per decoder layer (`LayerCost` fields):
 - ``ws_fwd_bytes``: the peak of a forward that saves A, beyond A: the output and the fp32 upcasts of the residual
   norms (`forward_working_set`);
 - ``ws_nosave_bytes``: the peak of a forward that saves nothing but its input (a recomputed layer's first forward;
-  on the CPU device also an offloaded layer's, whose saved tensors are copied out as they are saved), beyond the input:
+  with inline copies also an offloaded layer's, whose saved tensors are copied out as they are saved), beyond the input:
   the MLP's gate, up and activation outputs at once, or the attention core's transients (`nosave_working_set`);
 - ``ws_bwd_bytes``: with the weight gradients g, the backward holds ``ws_bwd + g`` beyond its saved tensors: the
   incoming hidden-state gradient and the peak of the backward itself (`backward_working_set`).
 
-Per step (`stage_charges`): the head stage holds the final norm's graph and the chunked loss (`head_working_set`);
+Per step (`stages.evaluate_plan`): the head stage holds the final norm's graph and the chunked loss (`head_working_set`);
 the gradient of a parameter that is not streamed (lm_head, embedding) is held from the stage that makes it until the
 optimizer step; the slot pool of each layer kind is allocated for the whole step (`slot_pools`, the executor's
 sizing rule in `streaming/binder.py`); a layer's gradients leave the device after its backward stage (CUDA: one stage
-later, their D2H copy in flight); on the CPU device (serial lanes) an offloaded tensor is copied as it is saved, so an
-offloaded layer never holds its saved bytes on the device during its forward.
+later, their D2H copy in flight); where the executor copies inline (`copies_inline`: the CPU device on the synchronous
+engine) an offloaded tensor is copied as it is saved, so an offloaded layer never holds its saved bytes on the device
+during its forward, and gradients leave at once. The simulated asynchronous engine on the CPU device runs CUDA's copy
+paths and holds what CUDA holds.
 
 Pure arithmetic; imports nothing of the package (and not torch).
 """
@@ -173,7 +175,15 @@ def held_grad_bytes(cm: Any) -> tuple[int, int]:
     return cm.embed_grad_bytes, 0
 
 
+def copies_inline(cm: Any) -> bool:
+    """Whether the executor copies synchronously (the CPU device without the simulated asynchronous engine,
+    `CostModel.inline_copies`): an offloaded tensor leaves the device as it is saved, gradients as they are made.
+    Otherwise (CUDA, and the CPU under ``LAZYTRAIN_SIMULATE_ASYNC=1``) copies are in flight for up to two stages
+    (Note: [Two stages of copies in flight] in streaming/engine.py) and their sources stay on the device meanwhile."""
+    return bool(getattr(cm, "inline_copies", False))
+
+
 def grads_leave_next_stage(cm: Any) -> bool:
-    """Whether a layer's device gradients are held one stage after its backward (their D2H in flight on CUDA); on the
-    CPU device (serial lanes) they are added into the host accumulators at once."""
-    return not getattr(cm, "serial_lanes", False)
+    """Whether a layer's device gradients are held one stage after its backward (their D2H in flight); with inline
+    copies (`copies_inline`) they are added into the host accumulators at once."""
+    return not copies_inline(cm)

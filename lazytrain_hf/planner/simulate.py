@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import held_grad_bytes, slot_pools
+from .memmodel import copies_inline, held_grad_bytes, slot_pools
 from .plan import Plan
 from .schedule import sizes_from_cost_model, step_transfers, unit_owners_of
 from .world import optimizer_rate_per_rank
@@ -148,6 +148,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
     if steps < 2:
         raise ValueError(f"steps={steps} must be >= 2 (the step time is a period between two steps).")
     serial = bool(getattr(cm, "serial_lanes", False))
+    inline = copies_inline(cm)
     bw = {"h2d": cm.h2d, "d2h": cm.d2h, "nvme_read": cm.nvme_r, "nvme_write": cm.nvme_w}
     sizes = sizes_from_cost_model(cm, plan.stream_embeddings)
     transfers = step_transfers(plan, sizes, world=world, rank=rank)
@@ -217,8 +218,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
         lp, lc = plan.layers[i], cm.layers[i]
         if K > 1:
             return lc.input_bytes if i % K == 0 else 0
-        if serial and lp.tier != "gpu":
-            return lc.input_bytes  # memmodel: the CPU device copies each saved tensor out as it is saved
+        if inline and lp.tier != "gpu":
+            return lc.input_bytes  # memmodel: the synchronous CPU engine copies each saved tensor out as it is saved
         return lc.saved_bytes if lp.policy != "recompute" else lc.input_bytes
 
     # the memory terms of `memmodel`: slot pools held the whole run (a layer's fetch uses a slot of its kind's pool)
@@ -231,7 +232,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
 
     def ws_fwd(i: int) -> int:  # a forward that saves its tensors, or one that keeps only its input
         lp, lc = plan.layers[i], cm.layers[i]
-        saves = K == 1 and (lp.policy == "keep" or (lp.policy.startswith("offload") and not serial))
+        saves = K == 1 and (lp.policy == "keep" or (lp.policy.startswith("offload") and not inline))
         return lc.ws_fwd_bytes if saves else lc.ws_nosave_bytes
 
     for lp in plan.layers:

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import grads_leave_next_stage, held_grad_bytes, slot_pools
+from .memmodel import copies_inline, grads_leave_next_stage, held_grad_bytes, slot_pools
 from .plan import INPUT_TIERS, LayerPlan, Plan, PlanError
 from .schedule import bytes_per_step, sizes_from_cost_model
 
@@ -185,7 +185,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         d[lo] += nbytes
         d[hi + 1] -= nbytes
 
-    serial = bool(getattr(cm, "serial_lanes", False))
+    inline = copies_inline(cm)
     late_grads = grads_leave_next_stage(cm)
     K = plan.checkpoint_every
     release: list[tuple[int, float]] = []  # (issue stage, layer) of forward fetches that wait for the optimizer
@@ -228,7 +228,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         elif option == "rec_gpu":
             alive(i, sB, lc.input_bytes)
         else:
-            if serial:  # the CPU device copies each saved tensor out as it is saved (memmodel)
+            if inline:  # the synchronous CPU engine copies each saved tensor out as it is saved (memmodel)
                 alive(i, i, lc.input_bytes)
             else:
                 alive(i, i + 1, lc.saved_bytes if option.startswith("offload") else lc.input_bytes)
@@ -256,7 +256,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
             alive(sB, sB, lc.saved_bytes)
         # ---- working sets and gradients (memmodel): a forward that saves only its input holds ws_nosave; a
         # recomputed layer's backward first holds its saving forward's ws_fwd, then its gradients
-        saves = option == "keep" or (option.startswith("offload") and not serial)
+        saves = option == "keep" or (option.startswith("offload") and not inline)
         alive(i, i, lc.ws_fwd_bytes if K == 1 and saves else lc.ws_nosave_bytes)
         recomputed = K > 1 or option.startswith("rec")
         alive(sB, sB, lc.ws_bwd_bytes + (max(0, lc.ws_fwd_bytes - lc.grad_bytes) if recomputed else 0))
