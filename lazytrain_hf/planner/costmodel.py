@@ -240,8 +240,7 @@ def saved_activation_bytes(
     """Device bytes layer ``layer_index`` holds between its forward and its backward under ``policy``.
 
     ``keep``: everything the layer saves for backward; ``recompute``: only its input ``B * T * d * db``;
-    ``offload_cpu`` / ``offload_nvme``: 0 (the bytes live off the device).
-    """
+    ``offload_cpu`` / ``offload_nvme``: 0 (the bytes live off the device)."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
     kinds = layer_kinds(config)
@@ -470,9 +469,8 @@ class CostModel:
             )
         config = getattr(config, "config", config)
         gdb = dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
-        B, T = micro_batch_size, seq_len
-        N = B * T
-        m = _dims(config)
+        B, T, N = micro_batch_size, seq_len, micro_batch_size * seq_len
+        m, gated = _dims(config), gated_attention(config)
         d, V = m["d"], m["V"]
         layers = []
         for i, kind in enumerate(layer_kinds(config)):
@@ -481,7 +479,8 @@ class CostModel:
             flops = terms["gemm"] + terms["attention"] + terms["linear_attention"] + terms["moe"]
             fwd_s, bwd_s = layer_seconds(terms, hardware)
             eager_probs = B * m["H"] * T * T * FP32 if (attn_implementation == "eager" and "full" in kind) else 0
-            wf, wb, wn = layer_working_sets(config, kind, N, dtype_bytes, p, gdb, eager_probs, gated_attention(config))
+            A = layer_saved_bytes(config, kind, B, T, dtype_bytes, attn_implementation)
+            wf, wb, wn = layer_working_sets(config, kind, N, dtype_bytes, p, gdb, eager_probs, gated, A)
             layers.append(
                 LayerCost(
                     index=i,
@@ -490,7 +489,7 @@ class CostModel:
                     weight_bytes=p * dtype_bytes,
                     grad_bytes=p * gdb,
                     input_bytes=N * d * dtype_bytes,
-                    saved_bytes=layer_saved_bytes(config, kind, B, T, dtype_bytes, attn_implementation),
+                    saved_bytes=A,
                     flops_fwd=flops,
                     fwd_s=fwd_s,
                     bwd_s=bwd_s,

@@ -39,16 +39,18 @@ from typing import Any
 
 FP32 = 4
 SLOT_ALIGN = 256  # a slot's size is rounded up to this (`layouts.ALIGN_BYTES`, which imports torch)
+NORM_CHUNK = 1 << 24  # elements of a squared norm's fp32 piece (`streaming.gradients.NORM_CHUNK`)
 
 
 # ------------------------------------------------------------------------------------------------ per layer
 def layer_working_sets(
-    config: Any, kind: str, N: int, db: int, params: int, gdb: int, attention_probs: int, gated: bool
+    config: Any, kind: str, N: int, db: int, params: int, gdb: int, attention_probs: int, gated: bool, saved: int
 ) -> tuple[int, int, int]:
     """``(ws_fwd, ws_bwd, ws_nosave)`` of one decoder layer of ``kind`` (``params`` parameters, gradients of
-    ``gdb`` bytes) for N tokens (bytes): `forward_working_set`, `backward_working_set` and `nosave_working_set` from
-    the config's widths; ``attention_probs`` the eager attention's fp32 probabilities (0 with sdpa), ``gated``: gated
-    attention."""
+    ``gdb`` bytes, ``saved`` bytes saved for backward) for N tokens (bytes): `forward_working_set`,
+    `backward_working_set` (or, where more, `norm_working_set` once the layer's gradients are complete) and
+    `nosave_working_set` from the config's widths; ``attention_probs`` the eager attention's fp32 probabilities (0
+    with sdpa), ``gated``: gated attention."""
     d = int(config.hidden_size)
     E = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
     moe = "+moe" in kind
@@ -58,19 +60,41 @@ def layer_working_sets(
     value_width = int(getattr(config, "linear_num_value_heads", 0) or 0) * int(
         getattr(config, "linear_value_head_dim", 0) or 0
     )
+    ws_bwd = backward_working_set(
+        N, d, inner, db, params * gdb, first_grad_params(config, kind) * gdb,
+        N * int(config.num_experts_per_tok) if moe else 0,
+    )  # fmt: skip
+    # once the gradients are complete the saved tensors are freed: the input's gradient and the norm's fp32 copy
+    ws_bwd = max(ws_bwd, N * d * db + norm_working_set(largest_grad_params(config, kind, gated), gdb) - saved)
     return (
         forward_working_set(N, d, db, kind, gated, E if moe else 0),
-        backward_working_set(
-            N,
-            d,
-            inner,
-            db,
-            params * gdb,
-            first_grad_params(config, kind) * gdb,
-            N * int(config.num_experts_per_tok) if moe else 0,
-        ),
+        ws_bwd,
         nosave_working_set(N, d, inner, db, kind, E if moe else 0, attention_probs, value_width),
     )
+
+
+def norm_working_set(numel: int, gdb: int) -> int:
+    """The squared norm of a layer's gradients taken on the device as the layer completes (Note: [Squared norms of
+    accumulated gradients] in streaming/gradients.py): ``vector_norm(g, dtype=float32)`` of a gradient below fp32
+    makes an fp32 copy of it, at most `NORM_CHUNK` elements at a time (`gradients.squared_norm`), one tensor at a
+    time (bytes; ``numel`` the layer's largest gradient). The layer's gradients, the input's gradient and this copy
+    are the backward's last peak: above its other one where the gradients are large beside the saved tensors (an MoE
+    block's fused experts at batch 1)."""
+    return 0 if gdb >= FP32 else min(numel, NORM_CHUNK) * FP32
+
+
+def largest_grad_params(config: Any, kind: str, gated: bool) -> int:
+    """Elements of a decoder layer's largest parameter: an MLP projection (``d x I``), an MoE block's fused
+    gate/up experts (``E x 2 Ie x d``), or the query projection (``d x H hd``, twice that with gated attention)."""
+    d = int(config.hidden_size)
+    if "+moe" in kind:
+        E = int(getattr(config, "num_experts", 0) or getattr(config, "num_local_experts", 0))
+        mlp = 2 * E * int(config.moe_intermediate_size) * d
+    else:
+        mlp = d * int(config.intermediate_size)
+    heads = int(config.num_attention_heads)
+    head_dim = int(getattr(config, "head_dim", 0) or d // heads)
+    return max(mlp, d * heads * head_dim * (2 if gated else 1))
 
 
 def forward_working_set(N: int, d: int, db: int, kind: str, gated: bool, experts: int) -> int:
