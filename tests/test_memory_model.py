@@ -10,7 +10,8 @@
   (beyond what was live when it began) against `memmodel`'s terms for the same phase (forward: ``saved + ws_fwd -
   x``; backward: ``ws_bwd + grad - x``, the saved tensors and the incoming gradient being held already).
 - The plan space: the stage model's predicted peak within 5% of the executor's measured peak on the CPU device,
-  per layer kind, at batch sizes 1 and 4 (`test_predicted_peak_is_the_executors_measured_peak*`).
+  per layer kind, at batch sizes 1 and 4 (`test_predicted_peak_is_the_executors_measured_peak*`), streamed
+  embedding and head units (``stream_embeddings``, tied and untied) included.
 """
 
 from __future__ import annotations
@@ -165,6 +166,7 @@ def _plan(cfg, name: str, B: int):
     policy = {"keep": ("keep", "gpu"), "offload_cpu": ("offload_cpu", "gpu"), "rec_gpu": ("recompute", "gpu")}
     policy |= {"rec_cpu": ("recompute", "cpu"), "block2": ("recompute", "gpu"), "ahead2": ("keep", "gpu")}
     policy |= {"resident": ("keep", "gpu"), "chunk64": ("keep", "gpu")}
+    policy |= {"stream_emb": ("keep", "gpu"), "stream_emb_tied": ("offload_cpu", "gpu")}
     layers = []
     for i, k in enumerate(kinds):
         if name == "mixed":  # keep, offload, recompute from the host and the device; layer 1 resident
@@ -188,6 +190,7 @@ def _plan(cfg, name: str, B: int):
         seq_len=T_SWEEP,
         loss_chunk_tokens=64 if name == "chunk64" else CHUNK,
         checkpoint_every=2 if name == "block2" else 1,
+        stream_embeddings=name.startswith("stream_emb"),
     )
 
 
@@ -198,7 +201,8 @@ def _predicted_and_measured(kind: str, plan_name: str, B: int) -> tuple[int, int
     from lazytrain_hf.planner.stages import evaluate_plan
 
     model_type, attn, dtype = KINDS[kind]
-    cfg = _tiny(model_type, attn, num_hidden_layers=4, vocab_size=2048, tie_word_embeddings=False)
+    tied = plan_name == "stream_emb_tied"  # the lm_head tied to the embedding (one unit's weight used twice)
+    cfg = _tiny(model_type, attn, num_hidden_layers=4, vocab_size=2048, tie_word_embeddings=tied)
     if model_type == "qwen3_5_text":
         assert models.layer_kinds(cfg) == ["linear_attention"] * 3 + ["full_attention"]
     torch.manual_seed(0)
@@ -221,7 +225,9 @@ def _predicted_and_measured(kind: str, plan_name: str, B: int) -> tuple[int, int
 # the default run: a few points (~10 s each on 2 cores); every kind at every plan below is `slow` (MoE and the torch
 # gated delta rule take ~30 s a point)
 FAST = [("dense", "mixed", 1), ("dense", "mixed", 4), ("dense_bias", "keep", 4), ("eager", "mixed", 1)]
-PLANS = ("keep", "mixed", "offload_cpu", "rec_gpu", "rec_cpu", "block2", "ahead2", "resident", "chunk64")
+FAST += [("dense", "stream_emb_tied", 1)]
+PLANS = ("keep", "mixed", "offload_cpu", "rec_gpu", "rec_cpu", "block2", "ahead2", "resident", "chunk64", "stream_emb")
+PLANS += ("stream_emb_tied",)
 SLOW = [(k, p, B) for k in KINDS for p in PLANS for B in (1, 4) if (k, p, B) not in FAST]
 
 
@@ -268,3 +274,20 @@ def test_offloads_are_charged_as_the_executor_copies(monkeypatch):
     assert peaks["1"] - peaks["0"] >= lc.saved_bytes, (peaks, lc.saved_bytes)
     gpu_cm = CostModel.from_config(cfg, get_profile("h800"), T_SWEEP, 4, dtype_bytes=4)
     assert not gpu_cm.inline_copies
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_stage_model_and_simulator_agree_on_streamed_embeddings(tied):
+    """With ``stream_embeddings`` both charge `memmodel.streamed_head_terms` (no resident embedding and head, their
+    slots and gradients while used): the same peak on a GPU profile, below the resident plan's by the weights."""
+    from lazytrain_hf.planner.simulate import simulate
+    from lazytrain_hf.planner.stages import evaluate_plan
+
+    cfg = _tiny("qwen3", "sdpa", num_hidden_layers=4, vocab_size=2048, tie_word_embeddings=tied)
+    cm = CostModel.from_config(cfg, get_profile("h800"), T_SWEEP, 1, dtype_bytes=2, loss_chunk_tokens=CHUNK)
+    plan = _plan(cfg, "stream_emb_tied" if tied else "stream_emb", 1)
+    ev, sim = evaluate_plan(plan, cm), simulate(plan, cm)
+    assert sim.peak_gpu_bytes == pytest.approx(ev.peak_gpu_bytes, rel=0.01), (sim.peak_gpu_bytes, ev.peak_gpu_bytes)
+    plan.stream_embeddings = False
+    resident = evaluate_plan(plan, cm).peak_gpu_bytes
+    assert ev.peak_gpu_bytes < resident, (ev.peak_gpu_bytes, resident)

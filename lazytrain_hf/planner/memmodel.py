@@ -27,7 +27,8 @@ sizing rule in `streaming/binder.py`); a layer's gradients leave the device afte
 later, their D2H copy in flight); where the executor copies inline (`copies_inline`: the CPU device on the synchronous
 engine) an offloaded tensor is copied as it is saved, so an offloaded layer never holds its saved bytes on the device
 during its forward, and gradients leave at once. The simulated asynchronous engine on the CPU device runs CUDA's copy
-paths and holds what CUDA holds.
+paths and holds what CUDA holds. With ``stream_embeddings`` the embedding and head are units in transient slots
+instead of resident, their gradients leave as a layer's (`streamed_head_terms`).
 
 Pure arithmetic; imports nothing of the package (and not torch).
 """
@@ -197,6 +198,32 @@ def held_grad_bytes(cm: Any) -> tuple[int, int]:
     if cm.head_params:
         return cm.head_grad_bytes, cm.embed_grad_bytes
     return cm.embed_grad_bytes, 0
+
+
+def streamed_head_terms(cm: Any) -> dict[str, int]:
+    """Device bytes of the embedding and head as streamed units (``plan.stream_embeddings``, Note: [Streamed
+    embeddings and head] in streaming/units.py), in place of their resident weights and held gradients:
+
+    - ``embed_fwd``: the embedding's transient slot and its output, before layer 0's forward (the slot is released
+      once the lookup ran);
+    - ``head_slots``: the head's slot (final norm + lm_head) through the head stage, with the embedding's again when
+      the lm_head is tied to it;
+    - ``head_done``: the head's completion, beyond its slots and gradients: the hidden state's gradient and the
+      device norm's fp32 copy of the lm_head gradient (`norm_working_set`), the loss's working set freed;
+    - ``head_grad``: the head unit's gradients (it completes in the head stage); with a tied lm_head, the
+      embedding's gradient, made in the head stage and held on the device until the lookup's part is added at the
+      end of ``B_0``;
+    - ``embed_done``: the embedding's completion at the end of ``B_0``: its gradient and the norm's fp32 copy."""
+    tied = not cm.head_params
+    x = cm.layers[0].input_bytes if cm.layers else 0
+    gdb = cm.grad_dtype_bytes
+    return {
+        "embed_fwd": cm.embed_bytes + x,
+        "head_slots": cm.head_bytes + (cm.embed_bytes if tied else 0),
+        "head_done": x + (0 if tied else norm_working_set(cm.head_params, gdb)),
+        "head_grad": cm.embed_grad_bytes if tied else cm.head_grad_bytes,
+        "embed_done": cm.embed_grad_bytes + norm_working_set(cm.embed_params, gdb),
+    }
 
 
 def copies_inline(cm: Any) -> bool:

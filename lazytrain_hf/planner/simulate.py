@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import copies_inline, held_grad_bytes, slot_pools
+from .memmodel import copies_inline, held_grad_bytes, slot_pools, streamed_head_terms
 from .plan import Plan
 from .schedule import sizes_from_cost_model, step_transfers, unit_owners_of
 from .world import optimizer_rate_per_rank
@@ -224,11 +224,14 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
 
     # the memory terms of `memmodel`: slot pools held the whole run (a layer's fetch uses a slot of its kind's pool)
     pools = slot_pools(plan, [lc.weight_bytes for lc in cm.layers], [lc.kind for lc in cm.layers])
-    alloc(0.0, cm.fixed_device_bytes + sum(pools.values()))
-    head_held = held_grad_bytes(cm)[0]
+    # streamed embedding and head (memmodel.streamed_head_terms): transient slots, gradients leave as a layer's
+    ht = streamed_head_terms(cm) if plan.stream_embeddings else None
+    tied = not cm.head_params
+    alloc(0.0, (0 if ht else cm.fixed_device_bytes) + sum(pools.values()))
+    head_held = 0 if ht else held_grad_bytes(cm)[0]
 
-    def slotted(tr) -> bool:  # a layer's weights, into a slot of its pool
-        return tr.what.startswith("fetch") and tr.layer is not None and 0 <= tr.layer < L
+    def slotted(tr) -> bool:  # a layer's weights, into a slot of its pool (a streamed unit's: charged below)
+        return tr.what.startswith("fetch") and tr.layer is not None and (0 <= tr.layer < L or ht is not None)
 
     def ws_fwd(i: int) -> int:  # a forward that saves its tensors, or one that keeps only its input
         lp, lc = plan.layers[i], cm.layers[i]
@@ -272,6 +275,9 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 if lp.resident:
                     need.append(prev_opt.get(("upload", i), 0.0))
                 start, end = lanes.run("compute", max(begin, *need), lc.fwd_s, f"F{i}")
+                if ht and i == 0:  # the embedding's slot and output until the lookup ran
+                    alloc(begin, ht["embed_fwd"])
+                    free(start, ht["embed_fwd"])
                 alloc(start, ws_fwd(i) + held(i))
                 free(end, ws_fwd(i))
                 d_end = end
@@ -289,13 +295,18 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 continue
             if s == L:  # ---- head: final norm, lm_head, chunked loss forward and backward
                 start, end = lanes.run("compute", max(begin, land.get(("fetch_fwd", L), 0.0)), cm.head_s, "head")
-                alloc(start, cm.head_ws_bytes + head_held)
-                free(end, cm.head_ws_bytes)
+                ws_h = max(cm.head_ws_bytes, ht["head_done"]) + ht["head_slots"] if ht else cm.head_ws_bytes
+                alloc(begin if ht else start, ws_h)
+                alloc(start, ht["head_grad"] if ht else head_held)
+                free(end, ws_h)
+                ge = end
                 for tr in after_compute.get((L, "H"), []):
                     _, ge = move(tr, end)
                     done[("grad", L)] = ge
                     grads_down = max(grads_down, ge)
                     reduce_after(L, ge)
+                if ht and not tied:
+                    free(ge, ht["head_grad"])
                 t = end
                 continue
             i = 2 * L - s  # ---- backward of layer i (recomputation included)
@@ -330,10 +341,15 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
             free(g_end, lc.grad_bytes)
             grads_down = max(grads_down, g_end)
             t = end
+        if ht:  # the embedding completes: its gradient (with the tied lm_head's part) and the norm's fp32 copy
+            alloc(t, ht["embed_done"] - (ht["head_grad"] if tied else 0))
+        ge = t
         for tr in after_compute.get((-1, "emb"), []):
             _, ge = move(tr, t)
             grads_down = max(grads_down, ge)
             reduce_after(-1, ge)
+        if ht:
+            free(ge, ht["embed_done"])
         # ---- optimizer step: once every gradient is on the host (the global norm), in the updater's order
         b_end = t
         free(b_end, head_held)  # the lm_head's gradient, held until the optimizer step

@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import copies_inline, grads_leave_next_stage, held_grad_bytes, slot_pools
+from .memmodel import copies_inline, grads_leave_next_stage, held_grad_bytes, slot_pools, streamed_head_terms
 from .plan import INPUT_TIERS, LayerPlan, Plan, PlanError
 from .schedule import bytes_per_step, sizes_from_cost_model
 
@@ -285,10 +285,24 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
                 alive(s_rec, 2 * L - k, cm.layers[k].saved_bytes)
     # ---- head stage
     comp[L] += cm.head_s
-    alive(L, L, cm.head_ws_bytes)
-    # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
     head_held, embed_held = held_grad_bytes(cm)
-    alive(L, S - 1, head_held)  # the embedding's is made after B_0's layer is done: the tail holds it
+    moments = []  # points inside a stage its total does not cover: (stage, bytes there beyond the fixed ones)
+    if plan.stream_embeddings:  # memmodel.streamed_head_terms: transient slots, gradients leave as a layer's
+        t = streamed_head_terms(cm)
+        alive(L, L, t["head_slots"] + max(cm.head_ws_bytes, t["head_done"]))
+        tied = not cm.head_params
+        alive(L, 2 * L if tied else L + int(late_grads), t["head_grad"])
+        resident = sum(lc.weight_bytes for lc, lp in zip(cm.layers, plan.layers) if lp.resident)
+        moments.append((0, resident + t["embed_fwd"]))  # the lookup, before layer 0's forward
+        # the embedding completes after B_0's layer did (its gradients in flight unless copied inline)
+        moments.append((2 * L, resident + t["embed_done"] + (cm.layers[0].grad_bytes if late_grads else 0)))
+        if late_grads:
+            mem_tail += cm.embed_grad_bytes
+        head_held = embed_held = 0
+    else:
+        alive(L, L, cm.head_ws_bytes)
+        # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
+        alive(L, S - 1, head_held)  # the embedding's is made after B_0's layer is done: the tail holds it
     d2h[L + 1] += cm.head_grad_bytes
     if cm.head_bytes and L >= 1:
         h2d[L - 1] += cm.head_bytes
@@ -302,7 +316,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
             most = max(most, run_k)
         pools[kind] = max(pools.get(kind, 0), most)
     pool = sum(pools.values())
-    fixed = cm.fixed_device_bytes + pool
+    fixed = (0 if plan.stream_embeddings else cm.fixed_device_bytes) + pool  # resident embedding and head
     if getattr(cm, "serial_lanes", False):
         # Note: [Serial lanes on the CPU device] (hardware.py): copies run on the cores that compute
         stage_times = [comp[s] + h2d[s] / Bh + d2h[s] / Bd + nvr[s] / Bnr + nvw[s] / Bnw for s in range(S)]
@@ -329,6 +343,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         run += mem_diff[s]
         mem.append(fixed + run)
     mem.append(fixed + mem_tail + head_held + embed_held)
+    for s, nbytes in moments:
+        mem[s] = max(mem[s], fixed + nbytes)
     step = prefix[-1] + tail
     peak_gpu = max(mem)
     return Evaluation(
