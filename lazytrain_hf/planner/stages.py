@@ -217,7 +217,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
                 nvr[sb] += lc.weight_bytes
             if sb == sB:
                 od[sB] += lc.weight_bytes
-            in_slots(i, sb, sB, lc.weight_bytes)
+            # a layer kept bound from its forward to its backward holds its one slot throughout
+            in_slots(i, i + 1 if plan.keeps_bound_after_forward(i) else sb, sB, lc.weight_bytes)
         comp[sB] += lc.bwd_s
         # ---- saved activations
         off = offloaded_bytes(cm, i, option)
