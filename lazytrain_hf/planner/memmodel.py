@@ -139,10 +139,14 @@ def backward_working_set(
     of the MLP (its down projection; an MoE block's fused expert gradients, one tensor for every expert) with the two
     intermediate-sized activation gradients of the gated product, less what an MoE block frees before its fused
     gradients are complete (the R = N k routed tokens' gathered hidden states, gate/up and expert outputs), or, once
-    those are freed, every gradient of the layer (the saved tensors they replace were freed first). Measured
-    0.5-1.0 g beyond ``A + x`` on every kind at two batch sizes (`tests/test_memory_model.py`)."""
+    those are freed, every gradient of the layer (the saved tensors they replace were freed first); at least the
+    gated product's activation gradients themselves, ``2 N I db`` (an MoE block's fused gate/up: ``4 N k Ie db``),
+    which the saved gate/up outputs are still beside and which exceed ``g`` from a few thousand tokens on (Qwen2.5-7B
+    at batch 134 x 1024: 10.4 GB against g = 0.93 GB). Measured 0.5-1.0 g beyond ``A + x`` on every kind at batch 1
+    and 4, ``2 N I db`` (dense) and ``4 N k Ie db`` (MoE) at 8 and 16 (`tests/test_memory_model.py`)."""
     first = max(0, first_grad_bytes + 2 * N * inner * db - 3 * routed * d * db)
-    return N * d * db + min(grad_bytes, first) - grad_bytes
+    act_grads = (4 if routed else 2) * N * inner * db
+    return N * d * db + max(min(grad_bytes, first), act_grads) - grad_bytes
 
 
 def first_grad_params(config: Any, kind: str) -> int:
