@@ -96,7 +96,7 @@ def test_embedded_default_plan_streams_offloads_and_recomputes(recipe, tmp_path)
     from lazytrain_hf.data import CausalLMCollator
 
     script_args, training_args = recipe.parse_args(["--output_dir", str(tmp_path)])
-    budgets = {"planner_gpu_budget": 48 * 2**20, "planner_host_budget": 110 * 2**20}
+    budgets = {"planner_gpu_budget": int(57.5 * 2**20), "planner_host_budget": 110 * 2**20}
     for key, value in recipe.EMBEDDED_PLANNER_DEFAULTS.items():
         assert getattr(training_args, key) == budgets.get(key, value), key
     tokenizer = recipe.build_embedded_tokenizer()
