@@ -144,17 +144,12 @@ def test_milp_dominates_every_baseline_large(model, hw, seq, budget, tiers):
     assert not rec.violations(misfits=False), (rec.point, rec.violations())
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="at the head stage the simulator holds one layer's saved bytes more than the stage model charges "
-    "(issue 26 part 2: one memory model of the executor)",
-)
 def test_stage_model_and_simulator_agree_on_offloaded_plan_memory():
     """Found by the dominance property (qwen3-8b, rtx3090, seq 1024, budget 30%, gpu + cpu tiers): the MILP's plan at
-    batch 7 (every layer ``offload_cpu``, backward fetches on demand) peaks at 7.147 GiB in the stage model, within
-    its 7.2 GiB budget, and at 8.489 GiB in the simulator: the stage model's head-stage memory plus one layer's saved
-    bytes (1.4375 GiB). Until the two share one memory model the MILP can pick a plan the executor's schedule does
-    not fit."""
+    batch 7 (every layer ``offload_cpu``, backward fetches on demand) peaked at 7.147 GiB in the stage model, within
+    its 7.2 GiB budget, and at 8.489 GiB in the simulator, which charged one layer's saved bytes more at the head
+    stage. Both now charge the executor's memory model (`memmodel`): the MILP's plan there peaks at 7.067 GiB in
+    both."""
     cm = CostModel.from_config(get_config("qwen3-8b"), "rtx3090", 1024, 7)
     gpu = int(0.3 * cm.hardware.device_memory_bytes)
     with warnings.catch_warnings():

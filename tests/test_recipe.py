@@ -121,8 +121,9 @@ def test_embedded_default_plan_streams_offloads_and_recomputes(recipe, tmp_path)
     from lazytrain_hf.data import CausalLMCollator
 
     script_args, training_args = recipe.parse_args(["--output_dir", str(tmp_path)])
+    budgets = {"planner_gpu_budget": int(57.5 * 2**20), "planner_host_budget": 110 * 2**20}
     for key, value in recipe.EMBEDDED_PLANNER_DEFAULTS.items():
-        assert getattr(training_args, key) == (70 * 2**20 if key == "planner_gpu_budget" else value), key
+        assert getattr(training_args, key) == budgets.get(key, value), key
     tokenizer = recipe.build_embedded_tokenizer()
     train_rows, _ = recipe.load_splits("embedded", None, script_args.num_eval_samples, seed=training_args.seed)
     dataset = recipe.format_dataset(train_rows, tokenizer, script_args.max_seq_length, script_args.overlong)
@@ -146,7 +147,12 @@ def test_embedded_default_plan_streams_offloads_and_recomputes(recipe, tmp_path)
     _, given = recipe.parse_args(["--planner_gpu_budget", "1GiB", "--planner_hardware", "auto"])
     assert given.planner_gpu_budget == 2**30 and given.planner_hardware == "auto" and given.planner_warmup_steps == 0
     _, real = recipe.parse_args(["--model_name_or_path", "Qwen/Qwen2.5-3B"])
-    assert real.planner_gpu_budget is None and real.planner_hardware == "auto" and real.planner_warmup_steps == 2
+    assert (
+        real.planner_gpu_budget is None
+        and real.planner_host_budget is None
+        and real.planner_hardware == "auto"
+        and real.planner_warmup_steps == 2
+    )
 
 
 def test_sample_command_line(recipe, tmp_path):

@@ -230,6 +230,28 @@ def test_copies_in_flight_are_bounded(async_engine, monkeypatch):
     assert max(seen) <= 3 * per_layer, (max(seen) / per_layer, seen)
 
 
+def test_copies_in_flight_are_bounded_after_the_last_forward(async_engine, monkeypatch):
+    """Note: [Two stages of copies in flight] past the forward: the head stage waits for the offload copies of layer
+    ``L - 2`` and the last layer's backward stage for those of ``L - 1``, so when the backward reaches a layer the
+    device holds at most two layers' saved tensors (offload sources and reloads together). Without those waits the
+    last two layers' sources stayed on the device, beside the reloads of the same tensors, when the D2H lane lags:
+    the stage model's charge (a source until the stage after its forward) did not hold."""
+    from lazytrain_hf.streams import MAX_DELAY_ENV
+
+    monkeypatch.setenv(MAX_DELAY_ENV, "0.05")
+    at_backward: list[int] = []
+
+    def inspect(handle):  # the device's saved tensors as the backward reaches each layer
+        for layer in models.decoder_layers(handle.model):
+            layer.register_full_backward_pre_hook(
+                lambda *_: at_backward.append(handle.activations.memory_stats()["gpu_bytes"])
+            )
+
+    _, seen, per_layer = offload_step_device_bytes(4, inspect=inspect)
+    assert len(at_backward) == 4 and per_layer > 0
+    assert max(at_backward) <= 2 * per_layer, ([b / per_layer for b in at_backward], per_layer)
+
+
 @pytest.mark.sync_engine
 @settings(**{**_SETTINGS, "max_examples": 12})
 @given(cases())

@@ -68,11 +68,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .costmodel import CostModel, gated_attention, inner_width
+from .costmodel import CostModel, gated_attention
 from .memterms import rmsnorm_saved
 from .plan import LayerPlan, Plan
 from .search import max_feasible_batch
-from .stages import evaluate_plan, fits_budgets
+from .stages import evaluate_plan, fits_budgets, reload_aheads
 
 BASELINES: tuple[str, ...] = (
     "megatrain",
@@ -172,9 +172,9 @@ def _megatrain_memory(cm: CostModel, K: int) -> tuple[int, dict[str, int]]:
     # returns: its output and saved tensors stay for the whole backward.
     leftover = norm_graph
     phases: dict[str, int] = {}
-    # forward (no_grad): the checkpoints so far + the layer's transient working set
+    # forward (no_grad): the checkpoints so far + the working set of a forward that saves nothing (memmodel)
     phases["forward"] = max(
-        (math.ceil((i + 1) / K) * x + lc.ws_fwd_bytes for i, lc in enumerate(cm.layers)), default=0
+        (math.ceil((i + 1) / K) * x + lc.ws_nosave_bytes for i, lc in enumerate(cm.layers)), default=0
     )
     # loss: the chunked CE keeps every chunk's logits (flash-attn CE with inplace_backward saves its input; PyTorch CE
     # saves a log-softmax of the same size) over the T - 1 predicted positions until `loss.backward()`, beside the
@@ -182,23 +182,22 @@ def _megatrain_memory(cm: CostModel, K: int) -> tuple[int, dict[str, int]]:
     logits = B * (T - 1) * V * db
     phases["loss"] = n_ckpt * x + leftover + norm_graph + logits + x + cm.head_params * db
     # recompute (no_grad) of block [j0, j1): up to K cached outputs (`recompute_cache`) + the layer's working set;
-    # backward of layer i: the cached outputs of the block's layers up to i, one layer's graph (saved_bytes), its
-    # working set and the bf16 gradients of this layer and of the previous one (still on the grad stream).
-    # Note: [MegaTrain's backward working set] the cost model's ws_bwd_bytes counts 4 gate/up-sized gradients
-    # (4 * N * I * db); while all of the layer's saved tensors are alive only the gradient of the down-projection
-    # input exists (the mul's and silu's gradients appear after their 3 saved N x I inputs are freed), so 3 of the 4
-    # are taken off here. With all 4 counted, Qwen2.5-7B at batch 158 would need ~89 GB and not fit MegaTrain's
-    # published 80 GB run.
+    # backward of layer i: the cached outputs of the block's layers up to i, one layer's graph (saved_bytes), the
+    # larger of its forward's working set and its backward's with this layer's bf16 gradients, and the previous
+    # layer's gradients (still on the grad stream).
+    # Note: [MegaTrain's backward working set] the terms are the executor's memory model (`memmodel`): the backward
+    # holds ``ws_bwd + g`` beyond the layer's saved tensors (measured 0.5-1.0 g beyond the incoming gradient on
+    # every layer kind); the 4 gate/up-sized gradients the cost model once charged would need ~89 GB for Qwen2.5-7B
+    # at batch 158, which MegaTrain runs on 80 GB.
     rec = bwd = 0
     for j0 in range(0, L, K):
         block = range(j0, min(j0 + K, L))
         for p, i in enumerate(block):
             lc = cm.layers[i]
-            act = inner_width(cfg, lc.kind) * (int(cfg.num_experts_per_tok) if "+moe" in lc.kind else 1)
-            ws_b = lc.ws_bwd_bytes - 3 * N * act * db
             g_prev = w[i + 1] if i + 1 < L else cm.head_params * db
-            rec = max(rec, (p + 1) * x + lc.ws_fwd_bytes)
-            bwd = max(bwd, (p + 1) * x + lc.saved_bytes + ws_b + w[i] + g_prev)
+            rec = max(rec, (p + 1) * x + lc.ws_nosave_bytes)
+            graph = lc.saved_bytes + max(lc.ws_fwd_bytes, lc.ws_bwd_bytes + w[i])
+            bwd = max(bwd, (p + 1) * x + graph + g_prev)
     base = n_ckpt * x + leftover
     phases["recompute"] = base + rec
     phases["backward"] = base + bwd
@@ -357,6 +356,12 @@ def baseline_plan(name: str, cost_model: CostModel, *, checkpoint_every: int = M
         # its backward follows its forward with only the head between
         return "gpu" if name == "slideformer" and i == L - 1 else tier
 
+    def reload_ahead(i: int) -> int:
+        # one stage ahead where the copy it waits for allows it (the last layer's input goes down during the head
+        # stage: its reload is issued at its backward, `stages.reload_aheads`)
+        option = "rec_cpu" if (policy, tier_of(i)) == ("recompute", "cpu") else "keep"
+        return 1 if option == "keep" or reload_aheads(L, i, option, 1) == [0, 1] else 0
+
     layers = [
         LayerPlan(
             index=i,
@@ -365,7 +370,7 @@ def baseline_plan(name: str, cost_model: CostModel, *, checkpoint_every: int = M
             input_tier=tier_of(i),
             fetch_fwd_ahead=1,
             fetch_bwd_ahead=1,
-            reload_ahead=1,
+            reload_ahead=reload_ahead(i),
         )
         for i, lc in enumerate(cm.layers)
     ]

@@ -30,7 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..models import layer_kinds
+from ..streams import simulate_async
 from .hardware import HardwareProfile, get_profile
+from .memmodel import head_working_set, layer_working_sets  # the executor's memory terms (memmodel.py)
 from .memterms import MEMORY_PASSES_BWD, MEMORY_PASSES_FWD, rmsnorm_saved  # memory-bound traffic terms (memterms.py)
 from .plan import POLICIES
 
@@ -238,8 +240,7 @@ def saved_activation_bytes(
     """Device bytes layer ``layer_index`` holds between its forward and its backward under ``policy``.
 
     ``keep``: everything the layer saves for backward; ``recompute``: only its input ``B * T * d * db``;
-    ``offload_cpu`` / ``offload_nvme``: 0 (the bytes live off the device).
-    """
+    ``offload_cpu`` / ``offload_nvme``: 0 (the bytes live off the device)."""
     if policy not in POLICIES:
         raise ValueError(f"policy={policy!r} is not one of {POLICIES}.")
     kinds = layer_kinds(config)
@@ -385,8 +386,8 @@ class LayerCost:
         saved_bytes: ``A_i``, what the layer saves for backward under ``keep``.
         flops_fwd: forward FLOPs (backward is 2x).
         fwd_s, bwd_s: forward / backward seconds (``f_i``, ``k_i``); recompute costs ``fwd_s`` again.
-        ws_fwd_bytes, ws_bwd_bytes: transient device memory while the layer computes forward / backward, beyond its
-            saved tensors and weights (hidden states in and out, unsaved intermediates, activation gradients).
+        ws_fwd_bytes, ws_bwd_bytes, ws_nosave_bytes: the executor's memory terms (`memmodel`): forward beyond A,
+            backward beyond A and g, a forward that saves only its input beyond it.
         optimizer_s: ``o_i``, CPU optimizer seconds for the layer's parameters.
     """
 
@@ -402,6 +403,7 @@ class LayerCost:
     bwd_s: float
     ws_fwd_bytes: int
     ws_bwd_bytes: int
+    ws_nosave_bytes: int
     optimizer_s: float
 
     @property
@@ -430,10 +432,11 @@ class CostModel:
     head_params: int  # 0 when lm_head is tied to the embedding
     head_flops: float  # final norm + lm_head + cross entropy, forward and backward
     head_s: float  # head forward + backward, and the embedding's backward (it has no stage of its own)
-    head_ws_bytes: int  # chunked-loss working set (one chunk's logits, fp32 copy and gradient) + hidden states
+    head_ws_bytes: int  # final norm's graph + chunked loss (memmodel.head_working_set); lm_head grad apart
     config: Any = field(default=None, repr=False)
     measured: bool = False
     serial_lanes: bool = False  # Note: [Serial lanes on the CPU device] (hardware.py): lanes add, never overlap
+    inline_copies: bool = False  # the executor copies synchronously (CPU, no simulated lanes): memmodel.copies_inline
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -466,9 +469,8 @@ class CostModel:
             )
         config = getattr(config, "config", config)
         gdb = dtype_bytes if grad_dtype_bytes is None else grad_dtype_bytes
-        B, T = micro_batch_size, seq_len
-        N = B * T
-        m = _dims(config)
+        B, T, N = micro_batch_size, seq_len, micro_batch_size * seq_len
+        m, gated = _dims(config), gated_attention(config)
         d, V = m["d"], m["V"]
         layers = []
         for i, kind in enumerate(layer_kinds(config)):
@@ -476,9 +478,9 @@ class CostModel:
             terms = layer_compute_terms(config, kind, B, T, dtype_bytes, attn_implementation)
             flops = terms["gemm"] + terms["attention"] + terms["linear_attention"] + terms["moe"]
             fwd_s, bwd_s = layer_seconds(terms, hardware)
-            x = N * d * dtype_bytes
-            act_inner = inner_width(config, kind) * (int(config.num_experts_per_tok) if "+moe" in kind else 1)
             eager_probs = B * m["H"] * T * T * FP32 if (attn_implementation == "eager" and "full" in kind) else 0
+            A = layer_saved_bytes(config, kind, B, T, dtype_bytes, attn_implementation)
+            wf, wb, wn = layer_working_sets(config, kind, N, dtype_bytes, p, gdb, eager_probs, gated, A)
             layers.append(
                 LayerCost(
                     index=i,
@@ -486,15 +488,14 @@ class CostModel:
                     params=p,
                     weight_bytes=p * dtype_bytes,
                     grad_bytes=p * gdb,
-                    input_bytes=x,
-                    saved_bytes=layer_saved_bytes(config, kind, B, T, dtype_bytes, attn_implementation),
+                    input_bytes=N * d * dtype_bytes,
+                    saved_bytes=A,
                     flops_fwd=flops,
                     fwd_s=fwd_s,
                     bwd_s=bwd_s,
-                    # in + out hidden states and one gate/up pair in flight (what a recomputed forward holds)
-                    ws_fwd_bytes=2 * x + 2 * N * act_inner * dtype_bytes + eager_probs,
-                    # gradient in/out, fp32 norm upcast, gate/up gradients beside the recomputed pair
-                    ws_bwd_bytes=2 * x + N * d * FP32 + 4 * N * act_inner * dtype_bytes + 2 * eager_probs,
+                    ws_fwd_bytes=wf,
+                    ws_bwd_bytes=wb,
+                    ws_nosave_bytes=wn,
                     optimizer_s=p / hardware.cpu_optimizer_params_per_s,
                 )
             )
@@ -504,8 +505,7 @@ class CostModel:
         if tied:
             embed_params += d  # final norm rides with the embedding
         head_flops = 3 * 2 * N * d * V  # lm_head forward (2NdV) + backward (4NdV)
-        chunk = min(loss_chunk_tokens, N)
-        head_ws = chunk * V * (dtype_bytes + FP32 + FP32) + 3 * N * d * FP32
+        head_ws = head_working_set(N, d, V, loss_chunk_tokens, dtype_bytes)
         cm = cls(
             layers=layers,
             hardware=hardware,
@@ -523,6 +523,7 @@ class CostModel:
             head_ws_bytes=int(head_ws),
             config=config,
             serial_lanes=hardware.serial_lanes,
+            inline_copies=hardware.serial_lanes and not simulate_async(),
         )
         if hardware.layer_times and hardware.layer_times_shape:
             cm = cm._with_profile_layer_times()

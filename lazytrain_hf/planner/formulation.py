@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .costmodel import CostModel
+from .memmodel import SLOT_ALIGN, copies_inline, grads_leave_next_stage, held_grad_bytes, pool_slots
 from .plan import Plan
 from .stages import (
     OPTIONS,
@@ -60,6 +61,8 @@ class _Model:
     T: list[Any]
     T_tail: Any
     blk: dict[int, Any]  # block size K -> binary (block checkpointing every K layers)
+    pool: dict[str, Any]  # layer kind -> GiB of its slot pool (continuous)
+    many: dict[str, Any]  # layer kind -> binary: at least two of its layers stream
 
 
 def _var(prob: Any, name: str, cat: str = "Binary") -> Any:
@@ -138,7 +141,12 @@ def build_milp(
     blk = {K: _var(prob, f"blk_{K}") for K in block_sizes(L, allowed)}
     T = [_var(prob, f"T_{s}", "Continuous") for s in range(S)]  # T[s]: duration of stage s (seconds)
     T_tail = _var(prob, "T_tail", "Continuous")  # end of B_0 -> start of the next F_0 (seconds)
-    model = _Model(prob, opt, res, yF, yB, yR, T, T_tail, blk)
+    kinds = sorted({lc.kind for lc in cm.layers})
+    # pool[k]: GiB of the slot pool of layer kind k, allocated the whole step (memmodel.slot_pools); many[k] = 1:
+    # at least two layers of kind k stream (the pool then has at least two slots)
+    pool = {k: _var(prob, f"pool_{n}", "Continuous") for n, k in enumerate(kinds)}
+    many = {k: _var(prob, f"many_{n}") for n, k in enumerate(kinds)} if allow_resident else {}
+    model = _Model(prob, opt, res, yF, yB, yR, T, T_tail, blk, pool, many)
     blocked = pulp.lpSum(blk.values())  # 1: the plan is block checkpointed
 
     # ------------------------------------------------------------------ [Constraint] one choice per decision
@@ -173,6 +181,8 @@ def build_milp(
     const_d2h = [0.0] * S
     const_mem = [0.0] * (S + 1)
     const_nvw = [0.0] * S
+    inline = copies_inline(cm)
+    late_grads = grads_leave_next_stage(cm)
     for i, lc in enumerate(cm.layers):
         sB = 2 * L - i
         w, A, x = lc.weight_bytes, lc.saved_bytes, lc.input_bytes
@@ -193,8 +203,6 @@ def build_milp(
                         nvr[sigma].append((w, y))
                     if a == 0:
                         od[i].append((w, y))
-            for s in range(sigma, i + 1):
-                mem[s].append((w, ys))
         # resident weights: all stages and the tail
         if allow_resident:
             for s in range(S + 1):
@@ -207,8 +215,6 @@ def build_milp(
                 nvr[sb].append((w, y))
             if a == 0:
                 od[sB].append((w, y))
-            for s in range(sb, sB + 1):
-                mem[s].append((w, y))
         # saved activations
         for o, v in opt[i].items():
             if o == "keep":
@@ -219,14 +225,20 @@ def build_milp(
                     mem[s].append((x, v))
             else:
                 off = A if o.startswith("offload") else x
-                mem[i].append((off, v))
-                mem[i + 1].append((off, v))
+                if inline:  # the synchronous CPU engine copies each saved tensor out as it is saved (memmodel)
+                    mem[i].append((x, v))
+                else:
+                    mem[i].append((off, v))
+                    mem[i + 1].append((off, v))
                 d2h[i + 1].append((off, v))
                 if OPTIONS[o][1] == "nvme":
                     nvw[i + 2].append((off, v))
             if o.startswith("rec"):
                 comp[sB].append((lc.fwd_s, v))  # recomputation
-                mem[sB].append((A, v))  # the recomputed activations during B_i
+                mem[sB].append((A + max(0, lc.ws_fwd_bytes - lc.grad_bytes), v))  # recomputed activations in B_i
+            # the forward's working set (memmodel): one that saves A, or one that keeps only its input
+            saves = o == "keep" or (o.startswith("offload") and not inline)
+            mem[i].append((lc.ws_fwd_bytes if saves else lc.ws_nosave_bytes, v))
         for (o, a), y in yR[i].items():
             off = A if o.startswith("offload") else x
             sr = sB - a
@@ -237,13 +249,16 @@ def build_milp(
                 nvr[sr - 1].append((off, y))
             for s in range(sr, sB + 1):
                 mem[s].append((off, y))
-        # working sets and gradients
-        const_mem[i] += lc.ws_fwd_bytes
+        # working sets and gradients (memmodel); the gradients leave after B_i, one stage later on CUDA
+        for z in blk.values():
+            mem[i].append((lc.ws_nosave_bytes, z))
+            mem[sB].append((max(0, lc.ws_fwd_bytes - lc.grad_bytes), z))
         const_mem[sB] += lc.ws_bwd_bytes + lc.grad_bytes
         if i > 0:
-            const_mem[sB + 1] += lc.grad_bytes
             const_d2h[sB + 1] += lc.grad_bytes
-        else:
+            if late_grads:
+                const_mem[sB + 1] += lc.grad_bytes
+        elif late_grads:
             const_mem[S] += lc.grad_bytes
     # block checkpointing (the same terms `evaluate_plan` takes for checkpoint_every = K)
     for K, z in blk.items():
@@ -255,18 +270,24 @@ def build_milp(
             comp[s_rec].append((sum(cm.layers[k].fwd_s for k in block), z))
             h2d[s_rec].append((sum(cm.layers[k].weight_bytes for k in block), z))
             od[s_rec].append((cm.layers[j].weight_bytes, z))  # the first recompute fetch has nothing to hide behind
-            mem[s_rec].append((2 * max(cm.layers[k].weight_bytes for k in block), z))  # recompute double buffer
+            # the recompute double buffer: the pool's extra slots ([Constraint] slot pools)
             for k in block:
                 for s in range(s_rec, 2 * L - k + 1):
                     mem[s].append((cm.layers[k].saved_bytes, z))  # recomputed, alive until B_k
     const_comp[L] += cm.head_s
-    const_mem[L] += cm.head_ws_bytes + cm.head_grad_bytes
-    const_mem[L + 1] += cm.head_grad_bytes
+    const_mem[L] += cm.head_ws_bytes
+    # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
+    head_held, embed_held = held_grad_bytes(cm)
+    for s in range(L, S):
+        const_mem[s] += head_held
+    const_mem[S] += head_held + embed_held
     const_d2h[L + 1] += cm.head_grad_bytes
     if cm.head_bytes and L >= 1:
         const_h2d[L - 1] += cm.head_bytes
-    const_mem[S] += cm.embed_grad_bytes
     fixed = cm.fixed_device_bytes
+    for k in kinds:  # the slot pools, every stage and the tail
+        for s in range(S + 1):
+            mem[s].append((GIB, pool[k]))
 
     def expr(terms: list[tuple[float, Any]], scale: float = 1.0, const: float = 0.0):
         # Note: a variable may appear in several terms (e.g. a recomputed layer's input and its recomputed
@@ -314,6 +335,39 @@ def build_milp(
             )
     if cm.head_bytes and L >= 1:
         prob += T_tail + pulp.lpSum(T[: L - 1]) >= c_all, "update_before_head_upload"
+
+    # ------------------------------------------------------------------ [Constraint] slot pools
+    # the executor sizes each kind's pool (memmodel.slot_pools) at min(n, max(1, depth) + 1 + extra) slots of its
+    # largest layer. The weights in flight at a stage never exceed it (fetches issued at most depth stages ahead
+    # target at most depth + 1 stages, one layer each), so they need no rows of their own.
+    for n, k in enumerate(kinds):
+        members = [i for i, lc in enumerate(cm.layers) if lc.kind == k]
+        wk = -(-max(cm.layers[i].weight_bytes for i in members) // SLOT_ALIGN) * SLOT_ALIGN
+        cap = len(members)
+        streamed = [(1 - res[i]) if allow_resident else 1 for i in members]
+        for i, st in zip(members, streamed):
+            prob += pool[k] >= wk / GIB * st, f"pool_one_slot_{n}_{i}"
+        if cap >= 2:
+            if allow_resident:
+                prob += pulp.lpSum(streamed) <= 1 + cap * many[k], f"pool_many_{n}"
+                prob += pool[k] >= 2 * wk / GIB * many[k], f"pool_two_slots_{n}"
+            else:
+                prob += pool[k] >= 2 * wk / GIB, f"pool_two_slots_{n}"
+        # a fetch issued a >= 2 stages ahead: a + 1 slots (and the block's extra ones, `pool_slots`)
+        deep = [(a, y) for i in members for a, y in yB[i].items() if a >= 2]
+        deep += [(a, ys) for i in members for a, (ys, _) in yF[i].items() if a >= 2]
+        for m, (a, y) in enumerate(deep):
+            prob += pool[k] >= min(cap, a + 1) * wk / GIB * y, f"pool_depth_{n}_{m}"
+        # block checkpointing: extra slots, one more when no backward fetch of the kind is issued ahead
+        ahead_b = pulp.lpSum(y for i in members for a, y in yB[i].items() if a >= 1)
+        for K, z in blk.items():
+            prob += pool[k] >= min(cap, pool_slots(K, 1, 1)) * wk / GIB * z, f"pool_block_{n}_{K}"
+            prob += pool[k] >= min(cap, pool_slots(K, 1, 0)) * wk / GIB * (z - ahead_b), f"pool_block_b0_{n}_{K}"
+            for m, (a, y) in enumerate(deep):
+                prob += (
+                    pool[k] >= min(cap, pool_slots(K, a, 0)) * wk / GIB * (z + y - 1),
+                    f"pool_block_depth_{n}_{K}_{m}",
+                )
 
     # ------------------------------------------------------------------ [Constraint] memory
     # Memory rows in GiB: byte-sized coefficients (1e9-1e11) next to 0/1 variables hurt the solvers' tolerances.
@@ -418,6 +472,11 @@ def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | No
         ev = evaluate_plan(overlapped, cm)
         values += list(zip(model.T, ev.stage_times))
         values.append((model.T_tail, ev.tail_s))
+        for k, v in model.pool.items():
+            values.append((v, ev.slot_pools.get(k, 0) / GIB))
+            if model.many:
+                streamed = sum(1 for lp in plan.layers if cm.layers[lp.index].kind == k and not lp.resident)
+                values.append((model.many[k], 1.0 if streamed >= 2 else 0.0))
     for v, x in values:
         v.setInitialValue(x)
     return True

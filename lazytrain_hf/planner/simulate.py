@@ -40,6 +40,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
+from .memmodel import copies_inline, held_grad_bytes, slot_pools, streamed_head_terms
 from .plan import Plan
 from .schedule import sizes_from_cost_model, step_transfers, unit_owners_of
 from .world import optimizer_rate_per_rank
@@ -152,6 +153,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
     if steps < 2:
         raise ValueError(f"steps={steps} must be >= 2 (the step time is a period between two steps).")
     serial = bool(getattr(cm, "serial_lanes", False))
+    inline = copies_inline(cm)
     bw = {"h2d": cm.h2d, "d2h": cm.d2h, "nvme_read": cm.nvme_r, "nvme_write": cm.nvme_w}
     sizes = sizes_from_cost_model(cm, plan.stream_embeddings)
     transfers = step_transfers(plan, sizes, world=world, rank=rank)
@@ -240,9 +242,26 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
         lp, lc = plan.layers[i], cm.layers[i]
         if K > 1:
             return lc.input_bytes if i % K == 0 else 0
+        if inline and lp.tier != "gpu":
+            return lc.input_bytes  # memmodel: the synchronous CPU engine copies each saved tensor out as it is saved
         return lc.saved_bytes if lp.policy != "recompute" else lc.input_bytes
 
-    alloc(0.0, cm.fixed_device_bytes)
+    # the memory terms of `memmodel`: slot pools held the whole run (a layer's fetch uses a slot of its kind's pool)
+    pools = slot_pools(plan, [lc.weight_bytes for lc in cm.layers], [lc.kind for lc in cm.layers])
+    # streamed embedding and head (memmodel.streamed_head_terms): transient slots, gradients leave as a layer's
+    ht = streamed_head_terms(cm) if plan.stream_embeddings else None
+    tied = not cm.head_params
+    alloc(0.0, (0 if ht else cm.fixed_device_bytes) + sum(pools.values()))
+    head_held = 0 if ht else held_grad_bytes(cm)[0]
+
+    def slotted(tr) -> bool:  # a layer's weights, into a slot of its pool (a streamed unit's: charged below)
+        return tr.what.startswith("fetch") and tr.layer is not None and (0 <= tr.layer < L or ht is not None)
+
+    def ws_fwd(i: int) -> int:  # a forward that saves its tensors, or one that keeps only its input
+        lp, lc = plan.layers[i], cm.layers[i]
+        saves = K == 1 and (lp.policy == "keep" or (lp.policy.startswith("offload") and not inline))
+        return lc.ws_fwd_bytes if saves else lc.ws_nosave_bytes
+
     for lp in plan.layers:
         if lp.resident:
             alloc(0.0, cm.layers[lp.index].weight_bytes)
@@ -267,7 +286,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                     dep = max(dep, land.get((src, tr.layer), done.get(("offload", tr.layer), 0.0)))
                 _, e = move(tr, dep)
                 land[(tr.what, tr.layer)] = e
-                if tr.lane == "h2d":
+                if tr.lane == "h2d" and not slotted(tr):
                     alloc(begin, tr.nbytes)
                 if tr.what == "reload" and plan.layers[tr.layer].tier == "cpu":
                     host.append((e, -tr.nbytes))
@@ -280,10 +299,11 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 if lp.resident:
                     need.append(prev_opt.get(("upload", i), 0.0))
                 start, end = lanes.run("compute", max(begin, *need), lc.fwd_s, f"F{i}")
-                alloc(start, lc.ws_fwd_bytes + held(i))
-                free(end, lc.ws_fwd_bytes)
-                w = lc.weight_bytes if ("fetch_fwd", i) in land and not plan.keeps_bound_after_forward(i) else 0
-                free(end, w)
+                if ht and i == 0:  # the embedding's slot and output until the lookup ran
+                    alloc(begin, ht["embed_fwd"])
+                    free(start, ht["embed_fwd"])
+                alloc(start, ws_fwd(i) + held(i))
+                free(end, ws_fwd(i))
                 d_end = end
                 for tr in after_compute.get((i, "F"), []):
                     if tr.what == "offload":
@@ -299,15 +319,19 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                 continue
             if s == L:  # ---- head: final norm, lm_head, chunked loss forward and backward
                 start, end = lanes.run("compute", max(begin, land.get(("fetch_fwd", L), 0.0)), cm.head_s, "head")
-                alloc(start, cm.head_ws_bytes + cm.head_grad_bytes)
-                free(end, cm.head_ws_bytes)
+                ws_h = max(cm.head_ws_bytes, ht["head_done"]) + ht["head_slots"] if ht else cm.head_ws_bytes
+                alloc(begin if ht else start, ws_h)
+                alloc(start, ht["head_grad"] if ht else head_held)
+                free(end, ws_h)
                 reduced = hold = reduce_on_device(L, end)
+                ge = reduced
                 for tr in after_compute.get((L, "H"), []):
                     _, ge = move(tr, reduced)
                     done[("grad", L)] = ge
                     grads_down = max(grads_down, ge)
                     reduce_after(L, ge)
-                free(max(end, grads_down, reduced), cm.head_grad_bytes)
+                if ht and not tied:
+                    free(ge, ht["head_grad"])
                 t = end
                 continue
             i = 2 * L - s  # ---- backward of layer i (recomputation included)
@@ -318,25 +342,23 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
             dur = lc.bwd_s
             if K == 1 and lp.policy == "recompute":
                 dur += lc.fwd_s
-            extra = rec_slots = 0
+            extra = 0
             if K > 1 and plan.block_top(i) == i:
                 block = [k for k in range(L) if plan.block_top(k) == i]
                 dur += sum(cm.layers[k].fwd_s for k in block)
                 need += [land.get(("fetch_rec", k), 0.0) for k in block]
                 extra = sum(cm.layers[k].saved_bytes for k in block)  # each freed by its layer's backward
-                rec_slots = sum(cm.layers[k].weight_bytes for k in block if ("fetch_rec", k) in land)
             recomputes = lp.policy == "recompute"
+            ws_b = lc.ws_bwd_bytes + (max(0, lc.ws_fwd_bytes - lc.grad_bytes) if recomputes or K > 1 else 0)
             start, end = lanes.run("compute", max(begin, *need), dur, f"B{i}")
-            alloc(start, lc.ws_bwd_bytes + lc.grad_bytes + extra + (lc.saved_bytes if recomputes and K == 1 else 0))
-            free(end, lc.ws_bwd_bytes + (lc.saved_bytes if recomputes else 0) + rec_slots)
+            alloc(start, ws_b + lc.grad_bytes + extra + (lc.saved_bytes if recomputes and K == 1 else 0))
+            free(end, ws_b + (lc.saved_bytes if recomputes else 0))
             if K == 1 and lp.tier == "gpu":
                 free(end, held(i))
             elif K == 1:
                 free(end, _reloaded(cm, lp, i))
             elif i % K == 0:
                 free(end, lc.input_bytes)
-            if not lp.resident:
-                free(end, lc.weight_bytes)
             g_end = hold = reduce_on_device(i, end)
             for tr in after_compute.get((i, "B"), []):
                 _, g_end = move(tr, hold)
@@ -347,12 +369,18 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
             t = end
         reduced = reduce_on_device(-1, t)
         grads_down = max(grads_down, reduced)
+        if ht:  # the embedding completes: its gradient (with the tied lm_head's part) and the norm's fp32 copy
+            alloc(t, ht["embed_done"] - (ht["head_grad"] if tied else 0))
+        ge = reduced
         for tr in after_compute.get((-1, "emb"), []):
             _, ge = move(tr, reduced)
             grads_down = max(grads_down, ge)
             reduce_after(-1, ge)
+        if ht:
+            free(ge, ht["embed_done"])
         # ---- optimizer step: once every gradient is on the host (the global norm), in the updater's order
         b_end = t
+        free(b_end, head_held)  # the lm_head's gradient, held until the optimizer step
         b0_end.append(b_end)
         opt: dict[Any, float] = {}
         res_grad = [tr for tr in per_step if tr.what == "grad"]

@@ -20,7 +20,10 @@ end of ``B_0`` and the start of the next step's ``F_0``. Within a stage the lane
 - ``d2h``: the offload of ``F_i``'s saved tensors at ``F_{i+1}``, the gradients of ``B_i`` at the next stage;
 - NVMe: the write one stage after its D2H, the read one stage before its H2D reload.
 
-Memory at every stage counts what is allocated from a transfer's issue stage to the end of its last use. The tail
+Memory at every stage is the executor's memory model (`memmodel`): the slot pool of each layer kind for the whole
+step (at least the weights the plan has in flight at once), resident weights, activations from their transfer's issue
+stage (or their forward) to the end of their last use, each layer's working sets and gradients, the head stage and the
+gradients of parameters that are not streamed, held until the optimizer step. The tail
 holds the D2H of the last gradients, the CPU optimizer in layer order (``c_i`` = time from the end of ``B_0`` until
 layer ``i`` is updated) and the embedding upload; with the optimizer overlapping the next forward, a fetch issued at
 stage ``sigma`` must wait for its update: ``T_tail + sum_{j < sigma} T_j >= c_i``.
@@ -32,10 +35,11 @@ fixed plan: every ``T_s`` at its lane bound, ``T_tail`` at the largest release i
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
+from .memmodel import copies_inline, grads_leave_next_stage, held_grad_bytes, slot_pools, streamed_head_terms
 from .plan import INPUT_TIERS, LayerPlan, Plan, PlanError
 from .schedule import bytes_per_step, sizes_from_cost_model
 
@@ -120,6 +124,7 @@ class Evaluation:
     tflops: float
     tokens_per_s: float
     bytes_per_step: dict[str, int] | None = None  # per lane, from the executor's schedule (schedule.py)
+    slot_pools: dict[str, int] = field(default_factory=dict)  # per layer kind: bytes of its slot pool (memmodel)
 
     def predictions(self) -> dict[str, Any]:
         out = {
@@ -172,6 +177,16 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         mem_diff[lo] += nbytes
         mem_diff[hi + 1] -= nbytes
 
+    # streamed weights in flight per layer kind, from issue to use: the kind's slot pool holds at least these
+    inflight: dict[str, list[int]] = {}
+
+    def in_slots(i: int, lo: int, hi: int, nbytes: int) -> None:
+        d = inflight.setdefault(cm.layers[i].kind, [0] * (S + 1))
+        d[lo] += nbytes
+        d[hi + 1] -= nbytes
+
+    inline = copies_inline(cm)
+    late_grads = grads_leave_next_stage(cm)
     K = plan.checkpoint_every
     release: list[tuple[int, float]] = []  # (issue stage, layer) of forward fetches that wait for the optimizer
     for lp in plan.layers:
@@ -188,7 +203,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         if sigma == i:
             od[i] += lc.weight_bytes
         if not lp.resident:
-            alive(sigma, i, lc.weight_bytes)
+            in_slots(i, sigma, i, lc.weight_bytes)
         release.append((sigma, i))
         comp[i] += lc.fwd_s
         # ---- backward weights
@@ -202,7 +217,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
                 nvr[sb] += lc.weight_bytes
             if sb == sB:
                 od[sB] += lc.weight_bytes
-            alive(sb, sB, lc.weight_bytes)
+            # a layer kept bound from its forward to its backward holds its one slot throughout
+            in_slots(i, i + 1 if plan.keeps_bound_after_forward(i) else sb, sB, lc.weight_bytes)
         comp[sB] += lc.bwd_s
         # ---- saved activations
         off = offloaded_bytes(cm, i, option)
@@ -213,7 +229,10 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         elif option == "rec_gpu":
             alive(i, sB, lc.input_bytes)
         else:
-            alive(i, i + 1, lc.saved_bytes if option.startswith("offload") else lc.input_bytes)
+            if inline:  # the synchronous CPU engine copies each saved tensor out as it is saved (memmodel)
+                alive(i, i, lc.input_bytes)
+            else:
+                alive(i, i + 1, lc.saved_bytes if option.startswith("offload") else lc.input_bytes)
             d2h[i + 1] += off
             tier = OPTIONS[option][1]
             ok = reload_aheads(L, i, option, 2 * L)
@@ -224,7 +243,9 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
             h2d[sr] += off
             if sr == sB:
                 od[sB] += off
-            alive(sr, sB, off)
+            # memory from the executor's issue (`Plan.issue_schedule`: from the stage after the forward), which a
+            # plan's reload_ahead may put before the legal stage its copy waits for
+            alive(sB - max(0, min(lp.reload_ahead, sB - i - 1)), sB, off)
             if tier == "cpu":
                 pinned += off
             else:
@@ -234,15 +255,21 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         if K == 1 and option.startswith("rec"):
             comp[sB] += lc.fwd_s  # recomputation, and its activations live during B_i
             alive(sB, sB, lc.saved_bytes)
-        # ---- working sets and gradients
-        alive(i, i, lc.ws_fwd_bytes)
-        alive(sB, sB, lc.ws_bwd_bytes)
-        if i > 0:
+        # ---- working sets and gradients (memmodel): a forward that saves only its input holds ws_nosave; a
+        # recomputed layer's backward first holds its saving forward's ws_fwd, then its gradients
+        saves = option == "keep" or (option.startswith("offload") and not inline)
+        alive(i, i, lc.ws_fwd_bytes if K == 1 and saves else lc.ws_nosave_bytes)
+        recomputed = K > 1 or option.startswith("rec")
+        alive(sB, sB, lc.ws_bwd_bytes + (max(0, lc.ws_fwd_bytes - lc.grad_bytes) if recomputed else 0))
+        if i > 0 and late_grads:
             alive(sB, sB + 1, lc.grad_bytes)
             d2h[sB + 1] += lc.grad_bytes
         else:
             alive(sB, sB, lc.grad_bytes)
-            mem_tail += lc.grad_bytes
+            if i > 0:
+                d2h[sB + 1] += lc.grad_bytes
+            elif late_grads:
+                mem_tail += lc.grad_bytes
         if on_nvme and i > 0:
             nvw[sB + 1] += cm.state_io_bytes(i)[0]
     if K > 1:
@@ -254,17 +281,43 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
             comp[s_rec] += sum(cm.layers[k].fwd_s for k in block)
             h2d[s_rec] += sum(cm.layers[k].weight_bytes for k in block)
             od[s_rec] += cm.layers[j].weight_bytes  # the first recompute fetch has nothing to hide behind
-            alive(s_rec, s_rec, 2 * max(cm.layers[k].weight_bytes for k in block))  # recompute double buffer
+            # the recompute double buffer: the pool's extra slots (memmodel.slot_pools)
             for k in block:
                 alive(s_rec, 2 * L - k, cm.layers[k].saved_bytes)
     # ---- head stage
     comp[L] += cm.head_s
-    alive(L, L, cm.head_ws_bytes)
-    alive(L, L + 1, cm.head_grad_bytes)
+    head_held, embed_held = held_grad_bytes(cm)
+    moments = []  # points inside a stage its total does not cover: (stage, bytes there beyond the fixed ones)
+    if plan.stream_embeddings:  # memmodel.streamed_head_terms: transient slots, gradients leave as a layer's
+        t = streamed_head_terms(cm)
+        alive(L, L, t["head_slots"] + max(cm.head_ws_bytes, t["head_done"]))
+        tied = not cm.head_params
+        alive(L, 2 * L if tied else L + int(late_grads), t["head_grad"])
+        resident = sum(lc.weight_bytes for lc, lp in zip(cm.layers, plan.layers) if lp.resident)
+        moments.append((0, resident + t["embed_fwd"]))  # the lookup, before layer 0's forward
+        # the embedding completes after B_0's layer did (its gradients in flight unless copied inline)
+        moments.append((2 * L, resident + t["embed_done"] + (cm.layers[0].grad_bytes if late_grads else 0)))
+        if late_grads:
+            mem_tail += cm.embed_grad_bytes
+        head_held = embed_held = 0
+    else:
+        alive(L, L, cm.head_ws_bytes)
+        # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
+        alive(L, S - 1, head_held)  # the embedding's is made after B_0's layer is done: the tail holds it
     d2h[L + 1] += cm.head_grad_bytes
     if cm.head_bytes and L >= 1:
         h2d[L - 1] += cm.head_bytes
-    fixed = cm.fixed_device_bytes
+    # the slot pool of each kind is allocated for the whole step: the executor's sizing, or the weights the plan has
+    # in flight at once where that is more
+    pools = slot_pools(plan, [lc.weight_bytes for lc in cm.layers], [lc.kind for lc in cm.layers])
+    for kind, diff in inflight.items():
+        run_k = most = 0
+        for s in range(S):
+            run_k += diff[s]
+            most = max(most, run_k)
+        pools[kind] = max(pools.get(kind, 0), most)
+    pool = sum(pools.values())
+    fixed = (0 if plan.stream_embeddings else cm.fixed_device_bytes) + pool  # resident embedding and head
     if getattr(cm, "serial_lanes", False):
         # Note: [Serial lanes on the CPU device] (hardware.py): copies run on the cores that compute
         stage_times = [comp[s] + h2d[s] / Bh + d2h[s] / Bd + nvr[s] / Bnr + nvw[s] / Bnw for s in range(S)]
@@ -290,7 +343,9 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     for s in range(S):
         run += mem_diff[s]
         mem.append(fixed + run)
-    mem.append(fixed + mem_tail + cm.embed_grad_bytes)
+    mem.append(fixed + mem_tail + head_held + embed_held)
+    for s, nbytes in moments:
+        mem[s] = max(mem[s], fixed + nbytes)
     step = prefix[-1] + tail
     peak_gpu = max(mem)
     return Evaluation(
@@ -305,6 +360,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         tflops=cm.model_flops / step / 1e12,
         tokens_per_s=cm.tokens / step,
         bytes_per_step=bytes_per_step(plan, sizes_from_cost_model(cm, plan.stream_embeddings)),
+        slot_pools=pools,
     )
 
 

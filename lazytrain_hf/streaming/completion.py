@@ -127,6 +127,8 @@ class CompletionTracker:
         self._run_stages(2 * self.num_layers - i)
         self._bind(i)
         self.engine.wait_grads_down(i + 2)  # Note: [Two stages of copies in flight] in engine.py
+        if i == self.num_layers - 1:
+            self.activations.wait_offloaded(i)  # the last forward's offloads (stage L + 1 waits for stage L - 1's)
         if self.plan.checkpoint_every > 1:
             # the top layer of a checkpointed block: the block is recomputed now, before its backward
             self.activations.begin_backward(i)

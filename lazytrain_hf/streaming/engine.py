@@ -69,14 +69,15 @@ Note: [Gradients cross in their own dtype]
 Note: [Two stages of copies in flight]
     Offloads and gradients leave the device on the D2H lane while compute goes on; if that lane is slower than
     compute, their sources would pile up on the device. The forward of layer ``i`` therefore waits for the offload
-    copies of layer ``i - 2``, and the backward stage of layer ``i`` for the gradient copies of layer ``i + 2`` (the
-    head unit's for ``L - 2``): at most two stages of copies are in flight, the memory and time the planner's stage
-    model charges (a copy issued after stage ``s`` occupies stage ``s + 1``). The compute stream waits, and so does
-    the host (a host sync only when the copy has not landed): a source is freed only once the host knows its copy
-    ran, so a host far ahead of the device would hold many stages of them (Note: [The host leads the device by two
-    stages] in activations/tiers.py, Note: [Gradients freed behind their copy stay while the host leads] in
-    gradients.py). Tests: ``tests/test_trace.py::test_copies_in_flight_are_bounded`` (the simulator and the stage
-    model then agree on peak memory), ``tests/test_cuda_semantics_host.py::test_host_lead_is_bounded*``.
+    copies of layer ``i - 2`` (the head stage for those of ``L - 2``, the last layer's backward stage for its own),
+    and the backward stage of layer ``i`` for the gradient copies of layer ``i + 2`` (the head unit's for ``L - 2``):
+    at most two stages of copies are in flight, the memory and time the planner's stage model charges (a copy issued
+    after stage ``s`` occupies stage ``s + 1``). The compute stream waits, and so does the host (a host sync only
+    when the copy has not landed): a source is freed only once the host knows its copy ran, so a host far ahead of
+    the device would hold many stages of them (Note: [The host leads the device by two stages] in
+    activations/tiers.py, Note: [Gradients freed behind their copy stay while the host leads] in gradients.py).
+    Tests: ``tests/test_trace.py::test_copies_in_flight_are_bounded*`` (the simulator and the stage model then agree
+    on peak memory), ``tests/test_cuda_semantics_host.py::test_host_lead_is_bounded*``.
 
 Every copy is recorded in the handle's trace (`lazytrain_hf.streaming.trace`), and so is every point where the
 training thread blocks on device work (``Trace.host_sync``).

@@ -341,6 +341,8 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
                 # Note: [Every background worker stalls for longer than a forward] in lazytrain_hf/streams.py
                 streams.note_forward(time.perf_counter() - self._forward_t0)
             self._run_stages(self.num_layers)  # stage H starts
+            if self._grad_step and i >= 1:
+                self.activations.wait_offloaded(i - 1)  # Note: [Two stages of copies in flight] in engine.py
         return output
 
     def _device_bytes(self) -> int:
