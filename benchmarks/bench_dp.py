@@ -24,6 +24,9 @@ Per rank, the worker reports:
 - the executor's accounted device peak (``peak_device_bytes`` of the step logs): on the CPU device the "device" is
   this same RAM, so PSS counts the slots, the activations and the chunked loss that a GPU run keeps in GPU memory;
   the *host* columns are PSS less that figure, what a GPU run's host would hold;
+- ``train PSS``: the peak PSS up to ``on_train_end``, before `remove()` gives the model back at the end of
+  `train()` (one process then copies every parameter out of its host store; several ranks get views of the node's
+  shared copy), so the training steps' own peak;
 - step time: median interval between step ends after the first;
 - the bytes per lane of its first traced step (the trace's ``bytes_per_step``);
 - how many units it updated in that step (the trace's updates: the optimizer's work divided among the ranks).
@@ -135,6 +138,10 @@ def worker(a) -> None:
         def on_log(self, args, state, control, logs=None, **kw):
             device_peak[0] = max(device_peak[0], int((logs or {}).get("peak_device_bytes", 0)))
 
+        def on_train_end(self, args, state, control, **kw):
+            # the peak over the training steps: before `remove()` gives the model back at the end of `train()`
+            box["train_pss"] = max(sampler.peak_kib, _pss_kib()) * 1024
+
         def on_step_end(self, args, state, control, **kw):
             step_ends.append(time.perf_counter())
             handle = box["trainer"].stream_handle
@@ -167,6 +174,7 @@ def worker(a) -> None:
         rank=rank, world=world, peak_rss=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024, peak_pss=pss,
         optimizer_s=statistics.median(later) if later else None, step_s=statistics.median(gaps) if gaps else None,
         optimizer_cpu_s=statistics.median(later_cpu) if later_cpu else None, device_peak=device_peak[0],
+        train_pss=box.get("train_pss", pss),
         lanes=lanes, units_updated=box.get("units"), losses=trainer.state.log_history and
         [h["loss"] for h in trainer.state.log_history if "loss" in h],
     )
@@ -227,6 +235,7 @@ def summarise(runs: list[list[dict]]) -> dict:
         pss_max=med(lambda r: max(x["peak_pss"] for x in r)),
         pss_sum=med(lambda r: sum(x["peak_pss"] for x in r)),
         host_sum=med(lambda r: sum(x["peak_pss"] - x["device_peak"] for x in r)),
+        train_pss_sum=med(lambda r: sum(x["train_pss"] for x in r)),
         opt_max=med(lambda r: max(x["optimizer_s"] for x in r)),
         opt_cpu_max=med(lambda r: max(x["optimizer_cpu_s"] for x in r)),
         step=med(lambda r: max(x["step_s"] for x in r)),
@@ -293,13 +302,14 @@ def main(argv: list[str] | None = None) -> int:
           f"less the executor's accounted device bytes (the CPU device's memory is this RAM); 'state' is host less "
           f"one process figure per rank")
     print(f"{'ranks':>5} {'RSS/rank':>9} {'RSS sum':>9} {'PSS/rank':>9} {'PSS sum':>9} {'x1':>6} {'host sum':>9} "
-          f"{'x1':>6} {'state sum':>9} {'x1':>6} {'opt/rank s':>10} {'x1':>6} {'opt cpu s':>9} {'x1':>6} {'step s':>7} {'units/rank':>12}  "
+          f"{'x1':>6} {'state sum':>9} {'x1':>6} {'train PSS':>9} {'x1':>6} {'opt/rank s':>10} {'x1':>6} {'opt cpu s':>9} {'x1':>6} {'step s':>7} {'units/rank':>12}  "
           f"bytes per lane (rank 0)")
     for r in rows:
         print(f"{r['procs']:>5} {r['rss_max'] / mib:>8.0f}M {r['rss_sum'] / mib:>8.0f}M {r['pss_max'] / mib:>8.0f}M "
               f"{r['pss_sum'] / mib:>8.0f}M {r['pss_sum'] / base['pss_sum']:>6.2f} {r['host_sum'] / mib:>8.0f}M "
               f"{r['host_sum'] / base['host_sum']:>6.2f} {r['state_sum'] / mib:>8.0f}M "
-              f"{r['state_sum'] / base['state_sum']:>6.2f} {r['opt_max']:>10.3f} {r['opt_max'] / base['opt_max']:>6.2f} "
+              f"{r['state_sum'] / base['state_sum']:>6.2f} {r['train_pss_sum'] / mib:>8.0f}M "
+              f"{r['train_pss_sum'] / base['train_pss_sum']:>6.2f} {r['opt_max']:>10.3f} {r['opt_max'] / base['opt_max']:>6.2f} "
               f"{r['opt_cpu_max']:>9.3f} {r['opt_cpu_max'] / base['opt_cpu_max']:>6.2f} {r['step']:>7.2f} "
               f"{str(r['units']):>12}  { {k: v for k, v in r['lanes'].items() if v} }")
     if a.json:
