@@ -11,28 +11,17 @@ import time
 import warnings
 
 import pytest
+from helpers.big_shapes import QWEN3_235B
 
 from lazytrain_hf.planner import milp
 from lazytrain_hf.planner.costmodel import CostModel
 from lazytrain_hf.planner.formulation import build_milp
 from lazytrain_hf.planner.solver import resolve_solver, run_solver
-from lazytrain_hf.planner.zoo import ZooConfig, get_config
+from lazytrain_hf.planner.zoo import get_config
 
 pulp = pytest.importorskip("pulp")
 
 STALL_S = 30  # how long the stalled CBC below sits before it starts solving
-# Qwen3-235B-A22B's architecture (its public config.json): 94 MoE layers; CBC does not prove its plan within seconds
-QWEN3_235B = ZooConfig(
-    "qwen3-235b-a22b",
-    **{
-        **get_config("qwen3-30b-a3b").to_dict(),
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 1536,
-        "num_hidden_layers": 94,
-        "num_attention_heads": 64,
-    },
-)
 
 
 def _stalled_cbc(tmp_path, monkeypatch, ignore_sigint: bool = False) -> None:

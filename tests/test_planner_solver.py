@@ -8,27 +8,16 @@ import time
 import warnings
 
 import pytest
+from helpers.big_shapes import QWEN3_235B
 
 from lazytrain_hf.planner import milp
 from lazytrain_hf.planner.costmodel import CostModel
 from lazytrain_hf.planner.formulation import build_milp
 from lazytrain_hf.planner.highs_run import model_arrays, run_bounded
-from lazytrain_hf.planner.zoo import ZooConfig, get_config
+from lazytrain_hf.planner.zoo import get_config
 
 pytest.importorskip("highspy")
 
-# Qwen3-235B-A22B's architecture (its public config.json): 94 MoE layers, 128 experts, 8 per token
-QWEN3_235B = ZooConfig(
-    "qwen3-235b-a22b",
-    **{
-        **get_config("qwen3-30b-a3b").to_dict(),  # the same Qwen3-MoE family: experts, norms, vocabulary
-        "hidden_size": 4096,
-        "intermediate_size": 12288,
-        "moe_intermediate_size": 1536,
-        "num_hidden_layers": 94,
-        "num_attention_heads": 64,
-    },
-)
 # the budgets `plan_for_model` uses on h200 by default (90% of the device, half the host memory)
 H200_GPU, H200_HOST = 126_900_000_000, 824_633_720_832
 
