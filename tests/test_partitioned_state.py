@@ -56,6 +56,17 @@ def test_remote_units_hold_a_compute_copy_only():
         handle.remove()
 
 
+def _unpartitioned_grads(batch, stream_embeddings: bool) -> dict[int, torch.Tensor]:
+    """Each unit's fp32 accumulator after one backward of ``batch`` on one process (no partition)."""
+    ref_model = tiny_model("qwen3", seed=1)
+    ref = attach(ref_model, _plan(ref_model, stream_embeddings))
+    ref_model(**batch).loss.backward()
+    ref.synchronize()
+    want = {i: ls.grad.clone() for i, ls in ref.store.layers.items()}
+    ref.remove()
+    return want
+
+
 @pytest.mark.parametrize("stream_embeddings", [False, True])
 def test_gradients_handed_to_the_owner_reduce_are_the_device_gradients(stream_embeddings):
     """Without collectives: the reducer sees, for every unit and on every micro-batch, a flat fp32 buffer holding the
@@ -63,12 +74,7 @@ def test_gradients_handed_to_the_owner_reduce_are_the_device_gradients(stream_em
     staging), bit for bit the unpartitioned accumulator, alignment gaps zero. With the embedding and head streamed
     the staging is reused across units of different layouts (the gaps held another unit's gradient)."""
     batch = padded_batch()
-    ref_model = tiny_model("qwen3", seed=1)
-    ref = attach(ref_model, _plan(ref_model, stream_embeddings))
-    ref_model(**batch).loss.backward()
-    ref.synchronize()
-    want = {i: ls.grad.clone() for i, ls in ref.store.layers.items()}
-    ref.remove()
+    want = _unpartitioned_grads(batch, stream_embeddings)
 
     model = tiny_model("qwen3", seed=1)
     owners = dataparallel.unit_owners_of(model, _plan(model, stream_embeddings), 2)
@@ -105,12 +111,7 @@ def test_device_reduce_hands_the_device_gradients_and_skips_the_d2h_of_other_ran
     from lazytrain_hf.planner.world import World
 
     batch = padded_batch()
-    ref_model = tiny_model("qwen3", seed=1)
-    ref = attach(ref_model, _plan(ref_model, stream_embeddings))
-    ref_model(**batch).loss.backward()
-    ref.synchronize()
-    want = {i: ls.grad.clone() for i, ls in ref.store.layers.items()}
-    ref.remove()
+    want = _unpartitioned_grads(batch, stream_embeddings)
 
     model = tiny_model("qwen3", seed=1)
     plan = _plan(model, stream_embeddings)
