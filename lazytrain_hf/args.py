@@ -18,7 +18,7 @@ from transformers import TrainingArguments
 
 from .activations.nvme import check_dir as check_nvme_dir
 from .planner.baselines import BASELINES
-from .planner.plan import DP_REDUCE, INPUT_TIERS
+from .planner.plan import DP_REDUCE, DP_REDUCE_EVERY, INPUT_TIERS
 from .training.arg_upgrades import maintained_upgrade
 from .training.plan_files import PLAN_FILE  # re-exported: the plan next to a checkpoint (also in output_dir)
 from .units import parse_bytes
@@ -28,6 +28,7 @@ STATE_NVME_LAYERS = ("auto", "all")  # state_nvme_layers
 PLANNER_POLICIES = ("milp", *BASELINES, "default")  # a baseline name plans with `baselines.make_baseline`
 SOLVERS = ("auto", "cbc", "highs")
 DP_REDUCE_CHOICES = ("auto", *DP_REDUCE)  # planner_dp_reduce
+DP_REDUCE_EVERY_CHOICES = ("auto", *DP_REDUCE_EVERY)  # planner_dp_reduce_every
 
 
 @dataclass
@@ -69,6 +70,11 @@ class LazyTrainingArguments(TrainingArguments):
         reduced to the rank that owns its training state, every micro-batch: `"host"` (every rank copies it D2H, gloo
         sums the fp32 copies), `"device"` (summed on the devices, NCCL on CUDA, before the D2H copy only the owner
         makes) or `"auto"` (what the plan says; the planner picks the shorter simulated step).
+    planner_dp_reduce_every (`str`, defaults to `"auto"`): data parallel with gradient accumulation only: how often
+        that reduce runs: `"micro_batch"` (every micro-batch), `"step"` (each rank accumulates every unit's gradient in
+        its own fp32 host accumulator and reduces it once per optimizer step: 1/g of the network bytes for an fp32
+        accumulator per unit it does not own; host reduce only) or `"auto"` (the planner picks by simulated step
+        within the host memory; `"micro_batch"` without gradient accumulation).
     planner_plan (`str`, *optional*): a Plan JSON file (as `lazytrain plan --save` writes it, or a checkpoint's
         `lazytrain_plan.json`; a checkpoint directory works too) that `train()` executes as is: no hardware profile,
         warm-up or solve. It must match the model (layer count and kinds) and `per_device_train_batch_size`; its
@@ -209,6 +215,13 @@ class LazyTrainingArguments(TrainingArguments):
             "'device' (NCCL before the D2H copy) or 'auto' (the plan decides)."
         },
     )
+    planner_dp_reduce_every: str = field(
+        default="auto",
+        metadata={
+            "help": "Data parallel with gradient accumulation: reduce each unit's gradient to its owner every "
+            "'micro_batch', once per 'step' (accumulated on each rank first), or 'auto' (the plan decides)."
+        },
+    )
 
     def __post_init__(self):
         # before TrainingArguments sets up the frameworks some of them name (DeepSpeed, FSDP), which never run here
@@ -250,6 +263,18 @@ class LazyTrainingArguments(TrainingArguments):
             raise ValueError(
                 f"planner_dp_reduce={self.planner_dp_reduce!r} is not one of {', '.join(DP_REDUCE_CHOICES)}; pass "
                 "'auto' to let the plan decide, 'host' to reduce the gradients on the host, 'device' on the devices."
+            )
+        if self.planner_dp_reduce_every not in DP_REDUCE_EVERY_CHOICES:
+            raise ValueError(
+                f"planner_dp_reduce_every={self.planner_dp_reduce_every!r} is not one of "
+                f"{', '.join(DP_REDUCE_EVERY_CHOICES)}; pass 'auto' to let the plan decide, 'micro_batch' to reduce "
+                "the gradients every micro-batch, 'step' once per optimizer step."
+            )
+        if self.planner_dp_reduce_every == "step" and self.planner_dp_reduce == "device":
+            raise ValueError(
+                "planner_dp_reduce_every='step' with planner_dp_reduce='device': gradients reduced once per step are "
+                "accumulated on the host; pass planner_dp_reduce='host' (or 'auto'), or planner_dp_reduce_every="
+                "'micro_batch'."
             )
 
         # "gpu,cpu", ["gpu,cpu"] and ["gpu", "cpu"] all mean the same (the command line gives the middle form)

@@ -119,6 +119,13 @@ def make_parser() -> argparse.ArgumentParser:
         "then each node's, for all its ranks",
     )
     p.add_argument("--nodes", type=int, default=1, help="machines the --world-size ranks run on (default 1)")
+    p.add_argument(
+        "--gradient-accumulation-steps",
+        type=int,
+        default=1,
+        help="micro-batches per optimizer step (default 1); with --world-size the plan decides whether gradients "
+        "are reduced every micro-batch or once per step",
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="replay a saved plan JSON on a hardware profile")
@@ -172,6 +179,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     if args.search_time_limit <= 0:
         raise ValueError(f"--search-time-limit={args.search_time_limit} must be > 0 seconds (e.g. 60).")
     world = _world(args)
+    if args.gradient_accumulation_steps < 1:
+        raise ValueError(
+            f"--gradient-accumulation-steps={args.gradient_accumulation_steps} must be >= 1 (1: no accumulation)."
+        )
     hw = _profile(args)
     gpu = args.gpu_budget or hw.default_gpu_budget()
     host = hw.default_host_budget() if args.host_budget is None else args.host_budget
@@ -196,6 +207,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
             # comparisons after the search
             search_time_limit=max(1.0, args.search_time_limit - (time.perf_counter() - t_cmd) - _AFTER_SEARCH_S),
             world=world if world.world_size > 1 else None,
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
         )
     cfg, _ = milp._resolve_config(args.model)
     cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=plan.model)
@@ -223,7 +235,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     # the fallback / kept / presolve keys say why the plan is not the solver's own, or how presolve went
     keys = ("status", "seconds", "gap", "presolve", "stopped", "fallback", "kept")
     solver = {k: plan.solver.get(k) for k in keys if k in plan.solver or k in ("status", "seconds", "gap")}
-    world_out = _world_summary(plan, cm, sim) if world.world_size > 1 else None
+    world_out = None
+    if world.world_size > 1:
+        world_out = _world_summary(plan, cm, simulate(plan, cm, micro_batches=args.gradient_accumulation_steps))
+        world_out["gradient_accumulation_steps"] = args.gradient_accumulation_steps
     if args.json:
         out = {
             "plan": plan.to_dict(),
@@ -277,7 +292,7 @@ def _world_summary(plan, cm, sim) -> dict[str, Any]:
 
     world = plan.world
     wf = counts_world_footprint(
-        [lc.params for lc in cm.layers], cm.embed_params, cm.head_params, cm.dtype_bytes, world
+        [lc.params for lc in cm.layers], cm.embed_params, cm.head_params, cm.dtype_bytes, world, plan.dp_reduce_every
     )
     acts = int(plan.predicted.get("pinned_host_bytes", 0) or 0)
     for fp in wf.ranks:
@@ -296,6 +311,7 @@ def _world_summary(plan, cm, sim) -> dict[str, Any]:
         "tokens_per_s": sim.tokens_per_s * world.world_size,
         "bytes_per_step_rank0": plan.predicted.get("bytes_per_step"),
         "dp_reduce": plan.dp_reduce,
+        "dp_reduce_every": plan.dp_reduce_every,
         "dp_reduce_step_s": plan.predicted.get("dp_reduce_step_s"),
     }
 
@@ -310,16 +326,17 @@ def _world_text(w: dict[str, Any]) -> str:
         "  host RAM per rank: "
         + ", ".join(f"rank {r} {format_bytes(b)}" for r, b in enumerate(w["host_bytes_per_rank"][:8]))
         + (" ..." if len(w["host_bytes_per_rank"]) > 8 else ""),
-        f"  predicted step (slowest rank, simulated): {w['step_time_s']:.4f} s, {w['tokens_per_s']:.0f} tokens/s "
-        "for the world",
+        f"  predicted optimizer step of {w.get('gradient_accumulation_steps', 1)} micro-batch(es) (slowest rank, "
+        f"simulated): {w['step_time_s']:.4f} s, {w['tokens_per_s']:.0f} tokens/s for the world",
     ]
     steps = w.get("dp_reduce_step_s") or {}
     where = {
         "host": "on the host (every rank copies D2H, gloo to the owner)",
         "device": "on the devices (to the owner before its D2H copy; the other ranks copy nothing)",
     }[w["dp_reduce"]]
+    every = {"micro_batch": "every micro-batch", "step": "once per optimizer step (each rank accumulates first)"}
     lines.append(
-        f"  gradients reduced {where}"
+        f"  gradients reduced {where}, {every[w.get('dp_reduce_every', 'micro_batch')]}"
         + (" [simulated step: " + ", ".join(f"{k} {v:.4f} s" for k, v in steps.items()) + "]" if steps else "")
     )
     b = w.get("bytes_per_step_rank0") or {}

@@ -5,6 +5,8 @@ tests/test_trainer_ddp.py (several processes)."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from conftest import tiny_model
@@ -145,3 +147,82 @@ def test_device_reduce_hands_the_device_gradients_and_skips_the_d2h_of_other_ran
         assert got == predicted, (got, predicted)
     finally:
         handle.remove()
+
+
+def _step_grads(handle, model, batches: list) -> None:
+    """``batches`` as the micro-batches of one optimizer step on ``handle`` (the last one ends the step)."""
+    for k, b in enumerate(batches):
+        handle.last_micro_batch = k == len(batches) - 1
+        model(**b).loss.backward()
+    handle.synchronize()
+
+
+def test_step_reduce_accumulates_on_every_rank_and_reduces_once():
+    """Note: [Gradients reduced once per step], without collectives: two ranks, gradient accumulation 2, the plan's
+    ``dp_reduce_every == "step"``. Each rank adds its micro-batches' gradients of a unit it does not own into its
+    own fp32 accumulator and hands it to the owner reduce once, after the last micro-batch; the reduce emulated here
+    (the other rank's buffer added, divided by 2) gives the owner's accumulator the one-process accumulator of all
+    four micro-batches, halved, within fp32 rounding (the order of the sums differs: each rank sums its micro-batches
+    first). ``net`` carries each unit another rank owns once per step: 1/2 of the per-micro-batch mode, and the
+    trace equals the plan's prediction of a step of 2 micro-batches for each rank."""
+    from lazytrain_hf.planner import schedule
+    from lazytrain_hf.planner.world import World
+
+    a1, a2 = padded_batch(seed=11), padded_batch(seed=12)
+    b1, b2 = padded_batch(seed=21), padded_batch(seed=22)
+    ref_model = tiny_model("qwen3", seed=1)
+    ref = attach(ref_model, _plan(ref_model))
+    _step_grads(ref, ref_model, [a1, b1, a2, b2])  # one process, the same global batch
+    want = {i: ls.grad.clone() / 2 for i, ls in ref.store.layers.items()}
+    ref.remove()
+
+    def run(rank: int, batches: list, reducer) -> tuple[dict[int, torch.Tensor], dict[str, int], dict[int, int]]:
+        model = tiny_model("qwen3", seed=1)
+        plan = _plan(model)
+        plan.world_size, plan.dp_reduce_every = 2, "step"
+        owners = dataparallel.unit_owners_of(model, plan, 2)
+        handle = attach(model, plan, unit_owners=owners, rank=rank)
+        handle.dp_reduce_every = "step"
+        calls: dict[int, int] = {}
+
+        def count(unit, flat, owner, last):
+            calls[unit] = calls.get(unit, 0) + 1
+            reducer(unit, flat, owner, last)
+
+        handle.owner_grad_reducer = count
+        try:
+            _step_grads(handle, model, batches)
+            own = {i: ls.grad.clone() for i, ls in handle.store.layers.items() if not ls.remote}
+            got = dict(handle.trace.current["bytes"])
+            predicted = schedule.bytes_per_step(plan, schedule.sizes_from_model(model, plan), 2, World(2, 1), rank)
+            assert {lane: got[lane] for lane in predicted} == predicted, (got, predicted)
+            mb = dataclasses.replace(plan, dp_reduce_every="micro_batch")
+            per_mb = schedule.bytes_per_step(mb, schedule.sizes_from_model(model, mb), 2, World(2, 1), rank)["net"]
+            assert got["net"] > 0 and 2 * got["net"] == per_mb, (got["net"], per_mb)
+            print(f"rank {rank}: net bytes per step {got['net']} (every micro-batch: {per_mb})")
+            return own, got, calls
+        finally:
+            handle.remove()
+
+    sent: dict[int, torch.Tensor] = {}
+
+    def send(unit, flat, owner, last):  # rank 1: what it hands the reduce of the units rank 0 owns
+        assert last
+        if owner == 0:
+            sent[unit] = flat.clone()
+
+    _, _, calls1 = run(1, [b1, b2], send)
+
+    def receive(unit, flat, owner, last):  # rank 0: the reduce's result in the owner's accumulator
+        assert last
+        if owner == 0:
+            flat.add_(sent[unit]).div_(2)
+
+    own, _, calls0 = run(0, [a1, a2], receive)
+    assert calls0 == calls1 == {i: 1 for i in want}  # every unit reduced once per step, on both ranks
+    assert own and set(own) == set(sent)
+    worst = 0.0
+    for i, g in own.items():
+        assert torch.allclose(g, want[i], rtol=1e-5, atol=1e-7), f"unit {i}: {(g - want[i]).abs().max()}"
+        worst = max(worst, float((g - want[i]).abs().max()))
+    print(f"owner's accumulators vs one process: max abs diff {worst:.3g}")

@@ -44,6 +44,9 @@ are a rank's (`host_footprint` with ``world`` and ``rank``) plus what a node hol
   NVMe: only on the unit's owner (summed over the ranks: one copy of each);
 - ``reduce_staging``: pinned fp32 staging of the gradients the rank sends to other owners (the ``reduce`` of
   `lazytrain_hf.planner.schedule`), at most `REDUCE_STAGING_UNITS` units at once, the largest it does not own;
+- ``step_grads``: with ``dp_reduce_every == "step"`` (Note: [Gradients reduced once per step] in
+  streaming/gradients.py) instead of ``reduce_staging``: a pinned fp32 accumulator of every trainable streamed unit
+  the rank does not own, where its gradient is summed over the micro-batches of a step before the one reduce;
 - everything else as with one rank, on every rank: the resident parameters (every rank updates them), pinned
   activations, gradient staging, the CPU device's memory, the checkpoint transient, the fetch windows of units on
   NVMe. A node holds ``shared`` once plus the terms of each of its ranks (`WorldFootprint.node_total`).
@@ -94,6 +97,7 @@ TERM_NAMES = {
     "checkpoint": "checkpoint-save transient",
     "state_windows": "windows of the state on NVMe",
     "reduce_staging": "reduce staging",
+    "step_grads": "accumulators of units owned elsewhere",
     "shared": "node-shared compute copy (once per node)",
 }
 
@@ -118,6 +122,8 @@ class HostFootprint:
     # shared compute copy (NOT in this rank's `total`: `WorldFootprint` counts it once per node)
     reduce_staging: int = 0
     shared: int = 0
+    # dp_reduce_every == "step": fp32 accumulators of the units other ranks own (in `total`)
+    step_grads: int = 0
 
     @property
     def state(self) -> int:
@@ -128,7 +134,9 @@ class HostFootprint:
     @property
     def total(self) -> int:
         """Peak host bytes over a training step: the state, pinned activations, staging and (CPU) device memory."""
-        return self.state + self.activations + self.staging + self.device_on_host + self.reduce_staging
+        return (
+            self.state + self.activations + self.staging + self.device_on_host + self.reduce_staging + self.step_grads
+        )
 
     @property
     def save_peak(self) -> int:
@@ -201,6 +209,7 @@ def host_footprint(
     state_nvme: set[int] | frozenset[int] = frozenset(),
     world: World | None = None,
     rank: int = 0,
+    dp_reduce_every: str = "micro_batch",
 ) -> HostFootprint:
     """Every term of the run's host footprint (module docstring) for parameters grouped as ``units``: with
     ``world`` of several ranks, rank ``rank``'s terms and the node's ``shared`` compute copy.
@@ -216,6 +225,8 @@ def host_footprint(
         pool_slots: per layer kind, the number of slots of its pool (CPU device only; `slot_pool_sizes`).
         state_nvme: keys of the streamed units whose state is on NVMe (``Unit.key``).
         world, rank: the data-parallel world (default: one rank) and the rank whose terms these are.
+        dp_reduce_every: the plan's (`Plan.dp_reduce_every`): ``"step"`` holds an fp32 accumulator of every unit
+            another rank owns (``step_grads``) instead of the reduce staging.
     """
     from .layouts import CHUNK_ELEMS, IO_ALIGN, state_file_bytes  # here: tests set a smaller CHUNK_ELEMS
 
@@ -238,8 +249,11 @@ def host_footprint(
             fp.optimizer += optimizer_state_bytes(trainable, hybrid_8bit, block_size, min_8bit_size)
         if u.streamed:
             lay = layer_layout(u.tensors, compute_dtype)
-            if not mine:
+            if not mine and multi and dp_reduce_every == "step" and lay.train_elems:
+                fp.step_grads += 4 * lay.train_elems  # registered by themselves, as the reduce staging
+            elif not mine:
                 sent.append(4 * lay.train_elems)
+            if not mine:
                 if u.key in state_nvme:
                     win_compute.append(lay.compute_bytes + 2 * IO_ALIGN)  # its fetches read the compute copy
                 else:
@@ -540,6 +554,7 @@ def run_footprint(
         state_nvme=frozenset(plan.state_nvme) if plan is not None else frozenset(),
         world=plan.world if plan is not None else None,
         rank=rank,
+        dp_reduce_every=getattr(plan, "dp_reduce_every", "micro_batch"),
     )
 
 
@@ -600,11 +615,16 @@ def counts_footprint(layer_params: list[int], embed_params: int, head_params: in
 
 
 def counts_world_footprint(
-    layer_params: list[int], embed_params: int, head_params: int, dtype_bytes: int, world: World
+    layer_params: list[int],
+    embed_params: int,
+    head_params: int,
+    dtype_bytes: int,
+    world: World,
+    dp_reduce_every: str = "micro_batch",
 ) -> WorldFootprint:
     """`counts_footprint` on every rank of ``world``: each decoder layer a unit owned by one rank, the embedding
-    and head resident on every rank."""
+    and head resident on every rank; ``dp_reduce_every``: the plan's (``"step"``: `HostFootprint.step_grads`)."""
     dt = torch.float32 if dtype_bytes == 4 else torch.bfloat16
     units = [Unit([(n, dt, True)], True, key=i) for i, n in enumerate(layer_params)]
     units.append(Unit([(n, dt, True) for n in (embed_params, head_params) if n], False))
-    return world_footprint(units, world, gradient_accumulation_steps=2)
+    return world_footprint(units, world, gradient_accumulation_steps=2, dp_reduce_every=dp_reduce_every)

@@ -340,6 +340,7 @@ def plan_for_model(
     state_nvme: Sequence[int] = (),
     search_time_limit: float = 60,
     world: World | None = None,
+    gradient_accumulation_steps: int = 1,
 ) -> Plan:
     """Plan training of ``config`` on ``hardware`` (the entry point the trainer uses).
 
@@ -359,6 +360,8 @@ def plan_for_model(
             each rank's pinned activation budget (`hostmem.rank_activation_budget` of the node's), and the plan
             records the world, where its gradients are reduced (``dp_reduce``: `dpreduce.decide`, the shorter
             simulated step) and rank 0's ``bytes_per_step``.
+        gradient_accumulation_steps: micro-batches per optimizer step, for the world's decision of how often the
+            gradients are reduced (``dp_reduce_every``, `dpreduce.decide`) and its ``bytes_per_step``.
     """
     t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
@@ -409,7 +412,8 @@ def plan_for_model(
         plan = solve(base, **kw)
         plan.model = name
         plan.state_nvme = sorted(int(k) for k in state_nvme)
-        return record_world(dpreduce.decide(plan, base, world), base, world)
+        ga = gradient_accumulation_steps
+        return record_world(dpreduce.decide(plan, base, world, ga), base, world, ga)
 
     cms: dict[int, CostModel] = {}
 
@@ -440,4 +444,5 @@ def plan_for_model(
     best.model = name
     best.state_nvme = sorted(int(k) for k in state_nvme)
     cm = cm_at(best.micro_batch_size)
-    return record_world(dpreduce.decide(best, cm, world), cm, world)
+    ga = gradient_accumulation_steps
+    return record_world(dpreduce.decide(best, cm, world, ga), cm, world, ga)

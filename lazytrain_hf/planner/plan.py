@@ -34,6 +34,8 @@ POLICY_TIER: dict[str, str] = {"keep": "gpu", "offload_cpu": "cpu", "offload_nvm
 
 # Where a data-parallel world reduces each unit's gradient to its owner (`Plan.dp_reduce`)
 DP_REDUCE: tuple[str, ...] = ("host", "device")
+# How often it does so with gradient accumulation (`Plan.dp_reduce_every`)
+DP_REDUCE_EVERY: tuple[str, ...] = ("micro_batch", "step")
 
 PREDICTION_KEYS: tuple[str, ...] = ("step_time_s", "tflops", "tokens_per_s", "peak_gpu_bytes", "peak_host_bytes")
 
@@ -119,6 +121,10 @@ class Plan:
             accumulator) or ``"device"`` (summed on the devices into the owner's before the D2H copy, which only the
             owner makes; Note: [Gradients reduced on the device skip the other ranks' D2H] in
             streaming/gradients.py). Chosen by `lazytrain_hf.planner.dpreduce.decide`; plan files without it: host.
+        dp_reduce_every: how often, one of `DP_REDUCE_EVERY`: ``"micro_batch"`` (every micro-batch into the owner's
+            accumulator) or ``"step"`` (each rank accumulates its gradient of every unit in its own fp32 accumulator,
+            reduced to the owner once, after the step's last micro-batch; host path only: Note: [Gradients reduced
+            once per step] in streaming/gradients.py). Chosen by `dpreduce.decide`; plan files without it: micro_batch.
     """
 
     layers: list[LayerPlan]
@@ -137,6 +143,7 @@ class Plan:
     world_size: int = 1
     nodes: int = 1
     dp_reduce: str = "host"
+    dp_reduce_every: str = "micro_batch"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -185,6 +192,17 @@ class Plan:
             raise PlanError(
                 f"dp_reduce={self.dp_reduce!r} is not one of {DP_REDUCE}; write 'host' (gloo on the host copies) or "
                 "'device' (reduced on the devices before the D2H copy)."
+            )
+        if self.dp_reduce_every not in DP_REDUCE_EVERY:
+            raise PlanError(
+                f"dp_reduce_every={self.dp_reduce_every!r} is not one of {DP_REDUCE_EVERY}; write 'micro_batch' "
+                "(reduced to the owner every micro-batch) or 'step' (accumulated on each rank, reduced once per step)."
+            )
+        if self.dp_reduce_every == "step" and self.dp_reduce == "device":
+            raise PlanError(
+                "dp_reduce='device' with dp_reduce_every='step': a unit's gradient reduced on the devices once per "
+                "step would have to stay on the device across the micro-batches; write dp_reduce='host' for 'step', "
+                "or dp_reduce_every='micro_batch' with 'device'."
             )
         if self.checkpoint_every < 1:
             raise PlanError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = per-layer policies).")
@@ -329,7 +347,7 @@ class Plan:
             f"source={self.source} micro_batch_size={self.micro_batch_size} seq_len={self.seq_len} "
             f"hardware={self.hardware or '-'} stream_embeddings={self.stream_embeddings}"
             + (
-                f" world_size={self.world_size} nodes={self.nodes} dp_reduce={self.dp_reduce}"
+                f" world_size={self.world_size} nodes={self.nodes} dp_reduce={self.dp_reduce}/{self.dp_reduce_every}"
                 if self.world_size > 1
                 else ""
             )

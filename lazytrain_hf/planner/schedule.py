@@ -30,7 +30,8 @@ stage it is issued in), written from the executor's rules, which read the same `
   node (`world.gather_receiver`), once per optimizer step after the owner's update. With ``plan.dp_reduce ==
   "device"`` a unit another rank owns is summed into the owner's device gradient instead (``reduce_device``, its
   gradient bytes in their dtype, the stage of its backward), and this rank copies nothing of it D2H; the owner's D2H
-  stays. The state of a unit on NVMe is in its owner's files: only the owner writes and reads its gradient there and
+  stays. With ``plan.dp_reduce_every == "step"`` a ``reduce`` is sent once per optimizer step (``per_step``), after
+  the last micro-batch (Note: [Gradients reduced once per step] in streaming/gradients.py). The state of a unit on NVMe is in its owner's files: only the owner writes and reads its gradient there and
   runs its optimizer step's state I/O.
   With one rank there is no ``net`` traffic and `bytes_per_step` has no ``net`` key (the single-process trace and
   plan files are unchanged).
@@ -167,6 +168,7 @@ def step_transfers(
     multi = world.world_size > 1
     owner = unit_owners_of(plan, sizes, world) if multi else {}
     on_device = multi and plan.dp_reduce == "device"
+    once = multi and plan.dp_reduce_every == "step"  # a reduce per optimizer step, not per micro-batch
 
     def unit_of(layer: int | None) -> UnitBytes | None:
         if layer is None:
@@ -191,8 +193,10 @@ def step_transfers(
             return
         out.append(Transfer(lane, what, layer, int(n), stage, per_step))
         if remote:
-            # the owner accumulates this rank's gradient: sent when the unit's backward is complete
-            out.append(Transfer("net", "reduce", layer, 4 * unit_of(layer).train_elems, stage, peer=owner[layer]))
+            # the owner accumulates this rank's gradient: sent when the unit's backward is complete, every
+            # micro-batch, or once per step from this rank's own accumulator (Note: [Gradients reduced once per step])
+            n_red = 4 * unit_of(layer).train_elems
+            out.append(Transfer("net", "reduce", layer, n_red, stage, per_step=once, peer=owner[layer]))
             return
         if layer in on_nvme and lane == "d2h" and what == "grad":
             u = unit_of(layer)

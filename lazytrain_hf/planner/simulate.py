@@ -26,12 +26,16 @@ what it depends on has finished:
   With ``plan.dp_reduce == "device"`` a unit's gradient is instead reduced on the devices on the ``net`` lane as
   soon as its backward ends (`NetTimes.device_reduce_s`, on every rank), the owner's D2H copy follows it, the other
   ranks copy nothing, and the next backward waits for it (the reduce is ordered on the compute stream,
-  Note: [Gradients reduced on the device skip the other ranks' D2H] in streaming/gradients.py).
+  Note: [Gradients reduced on the device skip the other ranks' D2H] in streaming/gradients.py). With gradient
+  accumulation (``micro_batches`` > 1) the optimizer runs after every ``micro_batches``-th backward; a ``reduce`` is
+  sent every micro-batch, or with ``plan.dp_reduce_every == "step"`` after the last one only (Note: [Gradients
+  reduced once per step] in streaming/gradients.py).
 - On a profile with ``serial_lanes`` (the CPU device: copies are memcpy on the cores that compute) every transfer
   and the optimizer run on the compute lane, and the next step starts after the optimizer step.
 
 Device memory is allocated when a transfer is issued or a compute starts and released when the last reader ends.
-Three steps are replayed; the step time is the period of the last one (end of ``B_0`` to end of ``B_0``).
+Three optimizer steps are replayed; the step time is the period of the last one (end of its last micro-batch's
+``B_0`` to the next).
 """
 
 from __future__ import annotations
@@ -133,15 +137,21 @@ def _label(what: str, layer: int | None, L: int) -> str:
     }[what]
 
 
-def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None = None) -> SimResult:
-    """Replay ``plan`` on ``cost_model``'s hardware for ``steps`` steps (>= 2) and measure the steady state, on rank
-    ``rank`` of the plan's world (None: every rank, the slowest one's result)."""
+def simulate(
+    plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None = None, micro_batches: int = 1
+) -> SimResult:
+    """Replay ``plan`` on ``cost_model``'s hardware for ``steps`` optimizer steps (>= 2) of ``micro_batches``
+    micro-batches each (gradient accumulation) and measure the steady state, on rank ``rank`` of the plan's world
+    (None: every rank, the slowest one's result)."""
     world = plan.world
+    if micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches} must be >= 1 (gradient accumulation steps).")
     if rank is None:
         if world.world_size == 1:
-            return simulate(plan, cost_model, steps, 0)
+            return simulate(plan, cost_model, steps, 0, micro_batches)
         return max(
-            (simulate(plan, cost_model, steps, r) for r in range(world.world_size)), key=lambda x: x.step_time_s
+            (simulate(plan, cost_model, steps, r, micro_batches) for r in range(world.world_size)),
+            key=lambda x: x.step_time_s,
         )
     if not 0 <= rank < world.world_size:
         raise ValueError(f"rank={rank} is not a rank of the plan's world (0..{world.world_size - 1}).")
@@ -175,6 +185,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
     reduces = {t.layer: t for t in transfers if t.what == "reduce"}
     reduces_dev = {t.layer: t for t in transfers if t.what == "reduce_device"}
     on_device = multi and plan.dp_reduce == "device"
+    once = multi and plan.dp_reduce_every == "step"  # Note: [Gradients reduced once per step]
     gathers = {t.layer: t for t in transfers if t.what == "gather"}
     transfers = [t for t in transfers if t.lane != "net"]
     issued: dict[int, list] = {}
@@ -213,8 +224,9 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
     arrived: dict[int, float] = {}  # per unit: its gradients from every rank are at its owner
 
     def reduce_after(key: int, ready: float) -> None:
-        """Send this rank's gradient of unit ``key`` to its owner once it is on the host (``ready``)."""
-        if not multi or on_device or owners.get(key, -1) < 0:
+        """Send this rank's gradient of unit ``key`` to its owner once it is on the host (``ready``); once per step
+        after the last micro-batch with ``dp_reduce_every == "step"``."""
+        if not multi or on_device or owners.get(key, -1) < 0 or (once and not last_mb):
             return
         if key in reduces:
             start, _ = move(reduces[key], ready)
@@ -268,7 +280,9 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
     prev_opt: dict[Any, float] = {}
     b0_end: list[float] = []
     step_begin = 0.0
-    for _ in range(steps):
+    last_mb = True
+    for mb in range(steps * micro_batches):
+        last_mb = mb % micro_batches == micro_batches - 1  # the optimizer step follows this micro-batch
         land: dict[tuple[str, int | None], float] = {}
         done: dict[tuple[str, int | None], float] = {}
         t = step_begin
@@ -380,6 +394,9 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
             free(ge, ht["embed_done"])
         # ---- optimizer step: once every gradient is on the host (the global norm), in the updater's order
         b_end = t
+        if not last_mb:  # gradient accumulation: the next micro-batch starts at once
+            step_begin = b_end
+            continue
         free(b_end, head_held)  # the lm_head's gradient, held until the optimizer step
         b0_end.append(b_end)
         opt: dict[Any, float] = {}
@@ -430,6 +447,7 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
                     opt[("upload", key)] = ue
                     last = max(last, ue)
         prev_opt = opt
+        arrived.clear()
         step_begin = b_end if plan.optimizer_overlap and not serial else max(last, opt["resident"])
 
     # ---- measurements on the last step
@@ -454,8 +472,8 @@ def simulate(plan: Plan, cost_model: CostModel, steps: int = 3, rank: int | None
             window_lanes[lane].append((s, e, label))
     return SimResult(
         step_time_s=period,
-        tflops=cm.model_flops / period / 1e12,
-        tokens_per_s=cm.tokens / period,
+        tflops=cm.model_flops * micro_batches / period / 1e12,
+        tokens_per_s=cm.tokens * micro_batches / period,
         peak_gpu_bytes=int(peak),
         peak_host_bytes=int(cm.host_state_bytes + host_peak),
         lanes=window_lanes,

@@ -207,13 +207,15 @@ def world_host_state_bytes(cm: CostModel, world: World) -> int:
     return int(max(wf.node_peak(n) - sum(fp.activations for fp in wf.node_ranks(n)) for n in range(world.nodes)))
 
 
-def record_world(plan: Any, cm: CostModel, world: World | None) -> Any:
+def record_world(plan: Any, cm: CostModel, world: World | None, gradient_accumulation_steps: int = 1) -> Any:
     """Set ``plan``'s world and, for several ranks, its ``predicted["bytes_per_step"]`` to rank 0's (with the
-    ``net`` lane); a single rank's plan is left as it is. Returns ``plan``."""
+    ``net`` lane) for steps of ``gradient_accumulation_steps`` micro-batches; a single rank's plan is left as it is.
+    Returns ``plan``."""
     if world is None or world.world_size == 1:
         return plan
     from .schedule import bytes_per_step, sizes_from_cost_model
 
     plan.world_size, plan.nodes = world.world_size, world.nodes
-    plan.predicted["bytes_per_step"] = bytes_per_step(plan, sizes_from_cost_model(cm, plan.stream_embeddings))
+    sizes = sizes_from_cost_model(cm, plan.stream_embeddings)
+    plan.predicted["bytes_per_step"] = bytes_per_step(plan, sizes, max(1, int(gradient_accumulation_steps)))
     return plan

@@ -44,7 +44,27 @@ Note: [Partitioned gradients are reduced to their owner every micro-batch]
     on the owner, at the last micro-batch; the owner then takes the squared norm of its reduced accumulator (on the
     host, Note: [Squared norms of accumulated gradients]); a non-owner takes none. Every rank completes its units
     in the same order, so the reduces pair up. Each non-owner's reduce is recorded in the trace on the lane ``net``
-    as ``reduce`` with the unit's fp32 gradient bytes. Tests: ``tests/test_trainer_ddp.py``.
+    as ``reduce`` with the unit's fp32 gradient bytes. This is the plan's ``dp_reduce_every == "micro_batch"``; with
+    ``"step"`` a non-owner accumulates instead (Note: [Gradients reduced once per step]). Tests:
+    ``tests/test_trainer_ddp.py``.
+
+Note: [Gradients reduced once per step]
+    With the plan's ``dp_reduce_every == "step"`` (host path only; `lazytrain_hf.planner.dpreduce` picks it where the
+    g-fold fewer ``net`` bytes shorten the step and the accumulators fit the host budget) a rank holds a private fp32
+    accumulator for every unit another rank owns (allocated at the unit's first completion, zero-filled, registered
+    when the store pins; `planner.hostmem` counts them as ``step_grads``). Every micro-batch, when the unit's backward
+    is complete, the rank adds its device gradient into that accumulator exactly as the owner (and a single process)
+    adds into its own: copied D2H on the first micro-batch since ``zero_grad``, added through the gradient staging
+    after it, a parameter without a gradient zeroed on the first micro-batch and skipped after. Only after the last
+    micro-batch's addition (on the worker thread, so it overlaps the next units' backward as the per-micro-batch
+    reduce does) every rank calls ``owner_grad_reducer(unit, flat, owner, True)``, the owner on its accumulator and
+    the others on theirs: the owner's accumulator becomes the sum over ranks and micro-batches, divided by the world
+    size, its norm is taken after it. The ``net`` lane carries ``1/g`` of the per-micro-batch mode's bytes (a
+    ``reduce`` of the unit's fp32 bytes once per step, recorded at that last micro-batch). The result equals the
+    per-micro-batch one up to the order of the fp32 sums (each rank sums its micro-batches first, then the ranks are
+    summed; per micro-batch the ranks are summed first), so the two agree within rounding, not bit for bit. Nothing
+    of it outlives a step: checkpoints are taken at step boundaries, after the reduce. Tests:
+    ``tests/test_partitioned_state.py``, ``tests/test_trainer_ddp.py``.
 
 Note: [Gradients reduced on the device skip the other ranks' D2H]
     With the plan's ``dp_reduce == "device"`` (`lazytrain_hf.planner.dpreduce`; the trainer then sets
@@ -157,6 +177,8 @@ class GradientSink:
     owner_grad_reducer: Callable[[int, torch.Tensor, int, bool], None] | None = None
     # Note: [Gradients reduced on the device skip the other ranks' D2H]: owner_device_reducer(unit, grads, owner)
     owner_device_reducer: Callable[[int, list[torch.Tensor], int], None] | None = None
+    # Note: [Gradients reduced once per step]: the plan's dp_reduce_every ("micro_batch" or "step")
+    dp_reduce_every: str = "micro_batch"
     # norm passes taken so far: over device gradients, over host accumulators (Note: [Squared norms of accumulated
     # gradients]); read after `synchronize`
     device_norm_passes: int = 0
@@ -182,6 +204,8 @@ class GradientSink:
             if on_device:  # Note: [Gradients reduced on the device skip the other ranks' D2H]
                 self.sq_norms.pop(i, None)
                 self._run_callbacks(i)
+            elif self.dp_reduce_every == "step":
+                self._complete_remote_step(i, ls)  # Note: [Gradients reduced once per step]
             else:
                 self._complete_remote(i, ls)  # Note: [Partitioned gradients are reduced to their owner every ...]
             self._drop_device_grads(st)
@@ -189,6 +213,7 @@ class GradientSink:
             fresh = not ls.has_grad
             last = self._is_last_micro_batch()
             to_owner = self.owner_grad_reducer is not None and not on_device
+            to_owner = to_owner and (last or self.dp_reduce_every != "step")  # Note: [Gradients reduced once per step]
             reduce = to_owner or (last and self.host_grad_reducer is not None)
             spilled = self._spilled(i)
             if spilled:
@@ -347,11 +372,57 @@ class GradientSink:
 
         self.engine.offload_grads(pairs, accumulate=False, after=after, layer=i)
 
+    def _complete_remote_step(self, i: int, ls) -> None:
+        """Note: [Gradients reduced once per step]
+        A unit whose accumulator another rank owns, reduced once per step: its device gradients are added into this
+        rank's own fp32 accumulator of it; after the last micro-batch's addition the worker reduces that to the
+        owner."""
+        if self.owner_grad_reducer is None:
+            raise RuntimeError(
+                f"unit {i}'s training state is owned by rank {self.unit_owners[i]}, but no owner_grad_reducer is set "
+                "to send its gradients there (the trainer installs it with the data-parallel groups)."
+            )
+        d = self.__dict__
+        accs, held = d.setdefault("_step_accumulators", {}), d.setdefault("_step_has_grad", set())
+        acc = accs.get(i)
+        if acc is None:  # zero-filled: the alignment gaps stay zero (the owner's norm covers the whole buffer)
+            pins = d.setdefault("_step_pins", [])
+            what = "accumulator of a unit owned elsewhere"
+            acc = accs[i] = pinned.pinned_empty(
+                ls.layout.train_elems, torch.float32, self.store.pin_memory, pins, what
+            )
+        fresh = i not in held
+        held.add(i)
+        pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for e in ls.trainable_entries:
+            view = acc.narrow(0, e.elem_offset, e.numel).view(e.shape)
+            if e.param.grad is None:
+                if fresh:
+                    view.zero_()  # e.g. an expert no local token reached: it takes part with zeros
+                continue
+            pairs.append((e.param.grad, view))
+        self.sq_norms.pop(i, None)
+        last, owner = self._is_last_micro_batch(), self.unit_owners[i]
+        if last:
+            self.trace.transfer("net", acc.numel() * 4, torch.float32, i, "reduce")
+
+        def after() -> None:
+            if last:
+                self.owner_grad_reducer(i, acc, owner, True)
+            self._run_callbacks(i)
+
+        self.engine.offload_grads(pairs, accumulate=not fresh, after=after, layer=i)
+
     def release_remote_staging(self) -> None:
-        """Free the staging of gradients reduced to other ranks (`remove()`)."""
+        """Free the staging of gradients reduced to other ranks and the accumulators of units owned elsewhere
+        (`remove()`)."""
         staging = self.__dict__.pop("_remote_staging", None)
         if staging is not None:
             staging.close()
+        self.__dict__.pop("_step_accumulators", None)
+        self.__dict__.pop("_step_has_grad", None)
+        for block in self.__dict__.pop("_step_pins", []):
+            block.release()
 
     def _run_callbacks(self, i: int) -> None:
         if not self._callbacks:
@@ -459,6 +530,7 @@ class GradientSink:
         self.synchronize()
         for ls in self.store.layers.values():
             ls.has_grad = False
+        self.__dict__.pop("_step_has_grad", None)  # Note: [Gradients reduced once per step]: overwritten next
         self.sq_norms.clear()
         for _, p, _ in self._resident:
             p.grad = None

@@ -6,7 +6,8 @@
 
 - a unit's gradients summed into its owner's accumulator (`reduce_to_owner`, every micro-batch, on the executor's
   worker thread: Note: [Partitioned gradients are reduced to their owner every micro-batch] in
-  streaming/gradients.py), or, with the plan's ``dp_reduce == "device"``, into the owner's device gradients before
+  streaming/gradients.py; with the plan's ``dp_reduce_every == "step"`` once per step, from each rank's own
+  accumulator of the unit: Note: [Gradients reduced once per step]), or, with the plan's ``dp_reduce == "device"``, into the owner's device gradients before
   its D2H copy (`reduce_on_device`, on the thread that runs the backward: Note: [Gradients reduced on the device skip
   the other ranks' D2H]);
 - the global gradient norm from the per-unit squared norms, each known only on its owner (`global_grad_norm`: Note:
@@ -95,6 +96,8 @@ class PartitionedDataParallel:
         local_world_size: ranks per node (``LOCAL_WORLD_SIZE`` of `torch.distributed.run` by default).
         dp_reduce: the plan's ``dp_reduce``; ``"device"`` creates the device group (`reduce_on_device`) on
             ``device``: NCCL on CUDA, gloo on the CPU device.
+        dp_reduce_every: the plan's ``dp_reduce_every`` (``"micro_batch"`` or ``"step"``), handed to the executor by
+            `bind` (Note: [Gradients reduced once per step] in streaming/gradients.py).
     """
 
     def __init__(
@@ -107,8 +110,16 @@ class PartitionedDataParallel:
         local_world_size: int | None = None,
         dp_reduce: str = "host",
         device: torch.device | str = "cpu",
+        dp_reduce_every: str = "micro_batch",
     ):
         import torch.distributed as dist
+
+        if dp_reduce_every not in ("micro_batch", "step") or (dp_reduce_every == "step" and dp_reduce == "device"):
+            raise ValueError(
+                f"dp_reduce_every={dp_reduce_every!r} with dp_reduce={dp_reduce!r}: pass 'micro_batch', or 'step' "
+                "with dp_reduce='host' (gradients reduced once per step are accumulated on the host)."
+            )
+        self.dp_reduce_every = dp_reduce_every
 
         local = int(local_world_size or os.environ.get("LOCAL_WORLD_SIZE", world_size))
         self.world = World(world_size, max(1, world_size // max(1, local)))
@@ -172,6 +183,7 @@ class PartitionedDataParallel:
             pin_host_memory(args.device),
             dp_reduce=plan.dp_reduce,
             device=args.device,
+            dp_reduce_every=plan.dp_reduce_every,
         )
 
     def attach_kwargs(self) -> dict[str, Any]:
@@ -186,6 +198,7 @@ class PartitionedDataParallel:
         """Send the executor's completed gradients to their owners (Note: [Partitioned gradients are reduced to their
         owner every micro-batch] in streaming/gradients.py)."""
         handle.owner_grad_reducer = self.reduce_to_owner
+        handle.dp_reduce_every = self.dp_reduce_every  # Note: [Gradients reduced once per step]
         if self.device_group is not None:
             handle.owner_device_reducer = self.reduce_on_device
 

@@ -176,20 +176,32 @@ def world_of(args: Any):
 
 
 def set_dp_reduce(plan, args: Any, cost_model=None) -> None:
-    """``plan.dp_reduce`` for a data-parallel run: ``args.planner_dp_reduce`` when it names one (``"host"`` /
-    ``"device"``, on every rank alike); with ``"auto"`` the planner's choice for this world (`dpreduce.decide`, the
-    shorter simulated step) when ``cost_model`` is given (rank 0, after solving), else what the plan says (a plan file,
-    a checkpoint's plan, the plan rank 0 broadcast; ``"host"`` for the default plan). One process: unchanged."""
+    """``plan.dp_reduce`` and ``plan.dp_reduce_every`` for a data-parallel run: ``args.planner_dp_reduce`` /
+    ``args.planner_dp_reduce_every`` where they name one (on every rank alike); for what is ``"auto"`` the planner's
+    choice for this world and ``args.gradient_accumulation_steps`` (`dpreduce.decide`, the shortest simulated step
+    among the eligible pairs, the step accumulators within ``planner_host_budget`` or the hardware's host memory)
+    when ``cost_model`` is given (rank 0, after solving), else what the plan says (a plan file, a checkpoint's plan,
+    the plan rank 0 broadcast; ``"host"`` / ``"micro_batch"`` for the default plan). One process: unchanged."""
     from ..planner import dpreduce
 
     world = world_of(args)
     if world.world_size <= 1:
         return
-    choice = getattr(args, "planner_dp_reduce", "auto")
-    if choice != "auto":
-        plan.dp_reduce = choice
-    elif cost_model is not None:
-        dpreduce.decide(plan, cost_model, world)
+    mode = getattr(args, "planner_dp_reduce", "auto")
+    every = getattr(args, "planner_dp_reduce_every", "auto")
+    g = max(1, int(getattr(args, "gradient_accumulation_steps", 1) or 1))
+    if cost_model is not None and "auto" in (mode, every):
+        budget = getattr(args, "planner_host_budget", None)
+        dpreduce.decide(plan, cost_model, world, g, budget, every=every, mode=mode)
+        return
+    if mode != "auto":
+        plan.dp_reduce = mode
+        if mode == "device" and every == "auto":
+            plan.dp_reduce_every = "micro_batch"  # Note: [Gradients reduced once per step]: the host path only
+    if every != "auto":
+        plan.dp_reduce_every = every
+        if every == "step" and mode == "auto":
+            plan.dp_reduce = "host"
 
 
 def predict_bytes(
