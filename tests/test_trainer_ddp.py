@@ -257,6 +257,43 @@ def test_device_reduce_of_moe_units_with_streamed_embeddings_matches_one_process
     _check_device_reduce(tmp_path, single, ranks)
 
 
+# --------------------------------------------------------------------------- gradients reduced once per step
+@pytest.mark.slow
+def test_step_reduce_with_accumulation_matches_one_process_and_its_prediction(tmp_path):
+    """Note: [Gradients reduced once per step]: 2 ranks, gradient accumulation 2, the host reduce once per step
+    (``planner_dp_reduce_every="step"``): weights and losses as one process at the same global batch within the
+    data-parallel tolerances (not bit for bit: each rank sums its 2 micro-batches first, then the ranks are summed,
+    where the per-micro-batch reduce sums the ranks first); every unit reduced once per step; each rank's ``net``
+    lane carries the fp32 gradients of the units it does not own once per step, half of what the per-micro-batch
+    reduce of the same run moves, and every lane of its trace equals its plan's prediction."""
+    single, ranks = _match_one_process(
+        tmp_path, 2, "--dp-reduce", "host", "--dp-reduce-every", "step", "--ga", "2", global_batch=4
+    )
+    per_mb = _launch(tmp_path / "ddp_mb", 2, "--per-device-batch", "2", "--dp-reduce", "host",
+                     "--dp-reduce-every", "micro_batch", "--ga", "2")
+    ref = load_file(tmp_path / "single" / "rank0.safetensors")
+    for mode, out in (("step", "ddp"), ("micro_batch", "ddp_mb")):
+        got = load_file(tmp_path / out / "rank0.safetensors")
+        diff = max((got[k] - ref[k]).abs().max().item() for k in ref)
+        losses = json.loads((tmp_path / out / "rank0.stats.json").read_text())["losses"]
+        rel = max(abs(a - b) / abs(b) for a, b in zip(losses, single["losses"]))
+        print(f"dp_reduce_every={mode}: max |w - w_one_process| {diff:.3g}, max loss rel. diff {rel:.3g}")
+    for r, (s, mb) in enumerate(zip(ranks, per_mb)):
+        plan = json.loads((tmp_path / "ddp" / f"rank{r}.plan.json").read_text())
+        assert (plan["dp_reduce"], plan["dp_reduce_every"], plan["world_size"]) == ("host", "step", 2)
+        predicted = plan["predicted"]["bytes_per_step"]
+        assert all(b == predicted for b in s["trace_bytes"]), (s["trace_bytes"], predicted)
+        remote = single["grad_bytes"] - s["grad_bytes"]  # the accumulators this rank does not own
+        assert remote > 0 and predicted["net"] == remote
+        assert s["net"] == [{"reduce": remote}] * 3, s["net"]
+        assert mb["net"] == [{"reduce": 2 * remote}] * 3, mb["net"]  # every micro-batch: twice the bytes
+        mb_plan = json.loads((tmp_path / "ddp_mb" / f"rank{r}.plan.json").read_text())
+        assert all(b == mb_plan["predicted"]["bytes_per_step"] for b in mb["trace_bytes"])
+        assert s["reductions"] == {str(k): 3 for k in s["units"]}, s["reductions"]  # 3 steps, once each
+        assert mb["reductions"] == {str(k): 6 for k in s["units"]}, mb["reductions"]
+        print(f"rank {r}: net bytes per step: step {s['net'][0]['reduce']}, micro_batch {mb['net'][0]['reduce']}")
+
+
 # --------------------------------------------------------------------------- gradient accumulation, reductions counted
 # Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
 # (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of

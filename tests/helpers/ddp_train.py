@@ -49,7 +49,6 @@ def _given_back(params) -> dict[str, int]:
 def main() -> None:
     p = base_parser(max_steps=3)
     p.add_argument("--policy", default="default")
-    p.add_argument("--ga", type=int, default=1)
     p.add_argument("--model-type", default="qwen3")
     p.add_argument("--stream-embeddings", action="store_true")
     p.add_argument("--dp-reduce", default=None, help="planner_dp_reduce (auto, host, device)")
@@ -78,7 +77,6 @@ def main() -> None:
         extra.update(planner_dp_reduce=a.dp_reduce)
     trainer = make_trainer(
         os.path.join(a.out, "run"),
-        gradient_accumulation_steps=a.ga,
         planner_policy=a.policy,
         model_type=a.model_type,
         **extra,
@@ -146,6 +144,9 @@ def main() -> None:
             stats["trace_bytes"] = [dict(step["bytes"]) for step in handle.trace.steps]
             if handle.nvme_state is not None:
                 stats["nvme_units"] = sorted(handle.nvme_state.units)
+            # gradient reduces each unit took part in over the run (data parallel; keys: str(unit))
+            dp = trainer._dp
+            stats["reductions"] = {str(k): v for k, v in dp.reductions.items()} if dp is not None else {}
 
     trainer.add_callback(Record())
     trainer.train()

@@ -14,20 +14,25 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))  # trainer_fix
 
 
 def base_parser(max_steps: int) -> argparse.ArgumentParser:
-    """The flags both bodies take: ``--out``, ``--per-device-batch``, ``--max-steps``, ``--state-nvme``, ``--bf16``."""
+    """The flags both bodies take: ``--out``, ``--per-device-batch``, ``--max-steps``, ``--state-nvme``, ``--bf16``,
+    ``--ga``, ``--dp-reduce-every``."""
     p = argparse.ArgumentParser()
     p.add_argument("--out", required=True)
     p.add_argument("--per-device-batch", type=int, default=2)
     p.add_argument("--max-steps", type=int, default=max_steps)
     p.add_argument("--state-nvme", default=None, help="state_nvme_dir (every streamed unit's state there)")
     p.add_argument("--bf16", action="store_true", help="bf16 compute copy of the fp32 model (fp32 masters)")
+    p.add_argument("--ga", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--dp-reduce-every", default=None, help="planner_dp_reduce_every (auto, micro_batch, step)")
     return p
 
 
 def trainer_options(a: argparse.Namespace) -> dict:
     """`trainer_fixtures.make_trainer` keyword arguments of the shared flags (the state directory is created)."""
     extra: dict = dict(max_steps=a.max_steps, per_device_train_batch_size=a.per_device_batch)
-    extra.update(dataloader_drop_last=True)
+    extra.update(dataloader_drop_last=True, gradient_accumulation_steps=a.ga)
+    if a.dp_reduce_every:
+        extra.update(planner_dp_reduce_every=a.dp_reduce_every)
     if a.state_nvme:
         os.makedirs(a.state_nvme, exist_ok=True)
         extra.update(state_nvme_dir=a.state_nvme, state_nvme_layers="all")
