@@ -326,8 +326,8 @@ def _world_text(w: dict[str, Any]) -> str:
         "  host RAM per rank: "
         + ", ".join(f"rank {r} {format_bytes(b)}" for r, b in enumerate(w["host_bytes_per_rank"][:8]))
         + (" ..." if len(w["host_bytes_per_rank"]) > 8 else ""),
-        f"  predicted optimizer step of {w.get('gradient_accumulation_steps', 1)} micro-batch(es) (slowest rank, "
-        f"simulated): {w['step_time_s']:.4f} s, {w['tokens_per_s']:.0f} tokens/s for the world",
+        f"  predicted step (slowest rank, simulated): {w['step_time_s']:.4f} s per optimizer step of "
+        f"{w.get('gradient_accumulation_steps', 1)} micro-batch(es), {w['tokens_per_s']:.0f} tokens/s for the world",
     ]
     steps = w.get("dp_reduce_step_s") or {}
     where = {

@@ -58,6 +58,14 @@ def test_budgets_are_parsed():
         (dict(stream_loss_chunk_tokens=0), ["stream_loss_chunk_tokens"]),
         (dict(planner_hardware=""), ["planner_hardware"]),
         (dict(planner_dp_reduce="nccl"), ["planner_dp_reduce", "'nccl'", "auto", "host", "device"]),
+        (
+            dict(planner_dp_reduce_every="epoch"),
+            ["planner_dp_reduce_every", "'epoch'", "auto", "micro_batch", "step"],
+        ),
+        (
+            dict(planner_dp_reduce_every="step", planner_dp_reduce="device"),
+            ["planner_dp_reduce_every='step'", "planner_dp_reduce='device'", "planner_dp_reduce='host'"],
+        ),
     ],
 )
 def test_validation_errors_name_option_value_and_fix(kw, words):
@@ -284,3 +292,9 @@ def test_upgraded_subclass_defaults_and_post_init_run_once():
         LazyTrainingArguments.from_training_arguments(own, extra_flag=-1)
     with pytest.raises(ValueError, match="optim_block_size=100"):
         LazyTrainingArguments.from_training_arguments(own, optim_block_size=100)
+
+
+def test_planner_dp_reduce_every_choices():
+    assert make().planner_dp_reduce_every == "auto"
+    assert make(planner_dp_reduce_every="step").planner_dp_reduce_every == "step"
+    assert make(planner_dp_reduce_every="micro_batch", planner_dp_reduce="device").planner_dp_reduce == "device"

@@ -219,6 +219,7 @@ def test_bad_search_time_limit_is_refused(capsys, no_solve):
         (["--world-size", "0"], ["world_size=0 must be >= 1", "--world-size"]),
         (["--nodes", "0"], ["nodes=0 must be >= 1", "--nodes"]),
         (["--world-size", "3", "--nodes", "2"], ["world_size=3 is not a multiple of nodes=2", "--world-size"]),
+        (["--world-size", "2", "--gradient-accumulation-steps", "0"], ["--gradient-accumulation-steps=0", ">= 1"]),
     ],
 )
 def test_bad_world_is_refused_before_solving(capsys, no_solve, world, words):
@@ -264,3 +265,23 @@ def test_plan_world_prints_host_ram_per_node_and_rank_and_the_step(capsys, tmp_p
         and "world" not in json.loads(out)
         and "net" not in json.loads(out)["plan"]["predicted"].get("bytes_per_step", {})
     )
+
+
+def test_plan_world_with_gradient_accumulation_decides_how_often_to_reduce(capsys):
+    """``--gradient-accumulation-steps 4``: the world's decision covers the once-per-step host reduce too (Note:
+    [Gradients reduced once per step]); the printed cadence, the JSON and the host RAM are the plan's choice's."""
+    argv = ["plan", "--model", "qwen2.5-1.5b", "--hardware", "rtx4090", "--seq-len", "512", "--batch-size", "2"]
+    argv += ["--world-size", "2", "--time-limit", "10", "--gradient-accumulation-steps", "4"]
+    code, out, _ = run(capsys, *argv, "--json")
+    assert code == 0
+    data = json.loads(out)
+    w = data["world"]
+    steps = w["dp_reduce_step_s"]
+    print(steps, w["dp_reduce"], w["dp_reduce_every"])
+    assert set(steps) == {"host", "device", "host/step"} and w["gradient_accumulation_steps"] == 4
+    key = w["dp_reduce"] if w["dp_reduce_every"] == "micro_batch" else f"{w['dp_reduce']}/step"
+    assert steps[key] == min(steps.values())
+    assert (data["plan"]["dp_reduce"], data["plan"]["dp_reduce_every"]) == (w["dp_reduce"], w["dp_reduce_every"])
+    code, out, _ = run(capsys, *argv)
+    assert code == 0 and "micro-batch(es)" in out
+    assert ("once per optimizer step" in out) == (w["dp_reduce_every"] == "step")

@@ -309,3 +309,130 @@ def test_device_net_figures_of_the_profiles():
     assert HardwareProfile.from_dict(d).device_net_gbps == 12.0  # a profile written before the field
     with pytest.raises(ValueError, match="device_net_gbps=-1"):
         HardwareProfile.from_dict({**d, "device_net_gbps": -1})
+
+
+# ---------------------------------------------------------------------------------------------- dp_reduce_every
+def test_step_reduce_bytes_per_rank_by_hand():
+    """Note: [Gradients reduced once per step]: 4 equal layers on 2 ranks of one node (owners [0, 1, 0, 1]), GA 2:
+    with ``dp_reduce_every="step"`` rank 0 sends layers 1 and 3 (4 x 25 B each) once per step, not every
+    micro-batch: the ``net`` bytes are 1/2 of the per-micro-batch reduce's, every other lane unchanged; without
+    gradient accumulation both are the same."""
+    sizes = tiny_sizes()
+    every = Plan.default(4, world_size=2)
+    once = dataclasses.replace(every, dp_reduce_every="step")
+    for rank in (0, 1):
+        mb, step = (schedule.bytes_per_step(p, sizes, 2, rank=rank) for p in (every, once))
+        assert mb["net"] == 2 * 2 * 4 * 25 and step == {**mb, "net": 2 * 4 * 25}, (rank, mb, step)
+        assert schedule.bytes_per_step(every, sizes, 1, rank=rank) == schedule.bytes_per_step(once, sizes, 1, rank=rank)
+    tr = [t for t in schedule.step_transfers(once, sizes, 2, rank=0) if t.lane == "net"]
+    assert [(t.what, t.layer, t.nbytes, t.stage, t.per_step, t.peer) for t in tr] == [
+        ("reduce", 3, 100, 2 * 4 - 3, True, 1),
+        ("reduce", 1, 100, 2 * 4 - 1, True, 1),
+    ]
+
+
+def test_plan_file_keeps_dp_reduce_every_and_old_files_reduce_every_micro_batch(tmp_path):
+    plan = Plan.default(3, world_size=2, dp_reduce_every="step")
+    back = Plan.from_json(plan.to_json())
+    assert back.dp_reduce_every == "step" and "dp_reduce=host/step" in back.table()
+    old = plan.to_dict()
+    del old["dp_reduce_every"]
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    assert Plan.from_json(str(tmp_path / "old.json")).dp_reduce_every == "micro_batch"
+    with pytest.raises(PlanError, match="dp_reduce_every='epoch'.*'micro_batch'.*'step'"):
+        Plan.from_dict({**plan.to_dict(), "dp_reduce_every": "epoch"})
+    with pytest.raises(PlanError, match="dp_reduce='device' with dp_reduce_every='step'.*dp_reduce='host'"):
+        Plan.from_dict({**plan.to_dict(), "dp_reduce": "device"})
+
+
+def test_node_footprint_holds_the_step_accumulators_of_the_units_a_rank_does_not_own():
+    """``dp_reduce_every="step"``: each rank holds an fp32 accumulator of every decoder layer another rank owns
+    (``step_grads``, 4 B per element) instead of the reduce staging of two of them."""
+    cm = CostModel.from_config(get_config("qwen2.5-1.5b"), "rtx4090", 1024, 4)
+    layers, emb, head = [lc.params for lc in cm.layers], cm.embed_params, cm.head_params
+    world = World(2, 1)
+    mb = hostmem.counts_world_footprint(layers, emb, head, cm.dtype_bytes, world)
+    step = hostmem.counts_world_footprint(layers, emb, head, cm.dtype_bytes, world, "step")
+    for r in range(2):
+        others = sum(4 * n for i, n in enumerate(layers) if i % 2 != r)  # owners alternate: equal layers
+        assert step.ranks[r].step_grads == others and step.ranks[r].reduce_staging == 0
+        assert step.ranks[r].total == mb.ranks[r].total - mb.ranks[r].reduce_staging + others
+    print(f"node host bytes: micro_batch {mb.node_peak(0) / 2**30:.2f} GiB, step {step.node_peak(0) / 2**30:.2f} GiB")
+
+
+def _slow_links(g: int, **kw) -> Plan:
+    from lazytrain_hf.planner import dpreduce
+
+    hw = dataclasses.replace(get_profile("rtx4090"), shm_gbps=2.0, device_net_gbps=2.0)
+    cm = CostModel.from_config(get_config("qwen2.5-1.5b"), hw, 1024, 4)
+    return dpreduce.decide(Plan.default(cm.num_layers), cm, World(2, 1), g, **kw)
+
+
+def test_planner_reduces_once_per_step_where_the_reduce_binds_and_the_accumulators_fit():
+    """`dpreduce.decide` over {host, device} x {micro_batch, step} by the simulated optimizer step of g micro-batches:
+    a world whose reduces bind (2 GB/s between the ranks, on the host and between the devices) reduces once per step
+    with gradient accumulation 2 or 4, every micro-batch without it (the two are the same; "host/step" not even
+    simulated) and when the node's host memory cannot hold the accumulators; a forced cadence is kept."""
+    for g in (2, 4):
+        plan = _slow_links(g)
+        steps = plan.predicted["dp_reduce_step_s"]
+        print(f"g={g}: {steps}")
+        assert (plan.dp_reduce, plan.dp_reduce_every) == ("host", "step")
+        assert steps["host/step"] < min(steps["host"], steps["device"])
+    one = _slow_links(1)
+    assert one.dp_reduce_every == "micro_batch" and "host/step" not in one.predicted["dp_reduce_step_s"]
+    need = _slow_links(4).predicted["dp_reduce_step_host_bytes"]
+    tight = _slow_links(4, host_memory_bytes=need - 1)
+    assert tight.dp_reduce_every == "micro_batch" and "host/step" not in tight.predicted["dp_reduce_step_s"]
+    assert _slow_links(4, host_memory_bytes=need).dp_reduce_every == "step"
+    forced = _slow_links(4, every="micro_batch")
+    assert forced.dp_reduce_every == "micro_batch" and set(forced.predicted["dp_reduce_step_s"]) == {"host", "device"}
+    assert _slow_links(1, every="step").dp_reduce_every == "step"
+    with pytest.raises(ValueError, match="dp_reduce='device' with dp_reduce_every='step'"):
+        _slow_links(4, every="step", mode="device")
+
+
+def test_simulated_step_of_several_micro_batches_sends_the_reduces_once_with_step():
+    """``simulate(..., micro_batches=g)``: the period is an optimizer step of g micro-batches (its tokens g times
+    one micro-batch's), and the ``net`` lane of a step-reduce plan is busy 1/g as long as the per-micro-batch one."""
+    cm = CostModel.from_config(get_config("qwen2.5-1.5b"), "rtx4090", 1024, 4)
+    plan = Plan.default(cm.num_layers, world_size=2)
+    one = simulate(plan, cm, rank=0)
+    mb = simulate(plan, cm, rank=0, micro_batches=4)
+    step = simulate(dataclasses.replace(plan, dp_reduce_every="step"), cm, rank=0, micro_batches=4)
+    assert mb.tokens_per_s * mb.step_time_s == pytest.approx(4 * one.tokens_per_s * one.step_time_s)
+    busy = [r.busy_fraction("net") * r.step_time_s for r in (mb, step)]
+    assert busy[1] == pytest.approx(busy[0] / 4, rel=1e-6), busy
+    with pytest.raises(ValueError, match="micro_batches=0"):
+        simulate(plan, cm, micro_batches=0)
+
+
+def test_run_arguments_force_or_leave_the_reduce_cadence_to_the_plan(monkeypatch):
+    """`training.planning.set_dp_reduce`: ``planner_dp_reduce_every="auto"`` with a cost model (rank 0 after its
+    solve) is the planner's choice for the run's gradient accumulation; without one (a plan file, the plan rank 0
+    broadcast) the plan's own, a forced value overriding it (forcing "device" on a "step" plan makes it reduce
+    every micro-batch, forcing "step" on a "device" plan reduces on the host)."""
+    from types import SimpleNamespace
+
+    from lazytrain_hf.training.planning import set_dp_reduce
+
+    monkeypatch.delenv("LOCAL_WORLD_SIZE", raising=False)
+    hw = dataclasses.replace(get_profile("rtx4090"), shm_gbps=2.0, device_net_gbps=2.0)
+    cm = CostModel.from_config(get_config("qwen2.5-1.5b"), hw, 1024, 4)
+
+    def args(mode="auto", every="auto", g=4):
+        return SimpleNamespace(
+            world_size=2, planner_dp_reduce=mode, planner_dp_reduce_every=every, gradient_accumulation_steps=g
+        )
+
+    plan = Plan.default(cm.num_layers)
+    set_dp_reduce(plan, args(), cm)
+    assert (plan.dp_reduce, plan.dp_reduce_every) == ("host", "step")
+    set_dp_reduce(plan, args(g=1))  # no cost model: the plan's
+    assert (plan.dp_reduce, plan.dp_reduce_every) == ("host", "step")
+    set_dp_reduce(plan, args(mode="device"))
+    assert (plan.dp_reduce, plan.dp_reduce_every) == ("device", "micro_batch")
+    set_dp_reduce(plan, args(every="step"))
+    assert (plan.dp_reduce, plan.dp_reduce_every) == ("host", "step")
+    set_dp_reduce(plan, args(every="micro_batch"), cm)
+    assert plan.dp_reduce_every == "micro_batch"
