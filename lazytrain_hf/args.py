@@ -67,7 +67,7 @@ class LazyTrainingArguments(TrainingArguments):
     planner_max_batch_size (`int`, defaults to `256`): upper end of that search.
     planner_warmup_steps (`int`, defaults to `2`): timed warm-up steps that measure per-layer costs before solving.
     planner_dp_reduce (`str`, defaults to `"auto"`): data parallel only: where each streamed unit's gradient is
-        reduced to the rank that owns its training state, every micro-batch: `"host"` (every rank copies it D2H, gloo
+        reduced to the rank that owns its training state: `"host"` (every rank copies it D2H, gloo
         sums the fp32 copies), `"device"` (summed on the devices, NCCL on CUDA, before the D2H copy only the owner
         makes) or `"auto"` (what the plan says; the planner picks the shorter simulated step).
     planner_dp_reduce_every (`str`, defaults to `"auto"`): data parallel with gradient accumulation only: how often

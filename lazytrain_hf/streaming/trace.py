@@ -15,7 +15,8 @@ never depend on timing. The detailed records (transfers, spans) are kept for the
 per-step totals for those and the last `TOTALS_KEPT` steps, so the trace stays small over a long run.
 
 Lanes (`LANES`): ``h2d`` and ``d2h`` (host <-> device), ``nvme_read`` and ``nvme_write`` (disk <-> host), ``net``
-(between data-parallel ranks: ``reduce``, a unit's fp32 gradient sent to its owner, per micro-batch; ``gather``, a
+(between data-parallel ranks: ``reduce``, a unit's fp32 gradient sent to its owner, per micro-batch, or per step with
+the plan's ``dp_reduce_every == "step"`` (Note: [Gradients reduced once per step] in gradients.py); ``gather``, a
 unit's compute copy received from its owner on another node, per step; Note: [Partitioned gradients are reduced to
 their owner every micro-batch] in gradients.py, Note: [The node's compute copy is shared by its ranks] in
 training/dataparallel.py). On the CPU
