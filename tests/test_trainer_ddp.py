@@ -307,6 +307,7 @@ def _worker(argv: list[str]) -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--per-device-batch", type=int, default=2)
     p.add_argument("--ga", type=int, default=2)
+    p.add_argument("--dp-reduce-every", default="micro_batch")  # "auto": the planner decides (it may pick "step")
     a = p.parse_args(argv)
     from safetensors.torch import save_file
     from trainer_fixtures import make_trainer
@@ -320,6 +321,7 @@ def _worker(argv: list[str]) -> None:
         gradient_accumulation_steps=a.ga,
         planner_policy="keep_all",
         dataloader_drop_last=True,
+        planner_dp_reduce_every=a.dp_reduce_every,
     )
     step_counts: list[dict[str, int]] = []
     seen: dict[str, int] = {}
@@ -340,13 +342,23 @@ def _worker(argv: list[str]) -> None:
     trainer.train()
     state = {k: v.detach().contiguous().clone() for k, v in trainer.model.state_dict().items()}
     save_file(state, os.path.join(a.out, f"rank{rank}.safetensors"))
+    plan = trainer.lazy_plan
     with open(os.path.join(a.out, f"rank{rank}.json"), "w") as f:
-        json.dump({"losses": trainer.loss_recorder.losses, "reductions": step_counts}, f)
+        json.dump(
+            {
+                "losses": trainer.loss_recorder.losses,
+                "reductions": step_counts,
+                "dp_reduce": [plan.dp_reduce, plan.dp_reduce_every],
+                "dp_reduce_step_s": plan.predicted.get("dp_reduce_step_s"),
+            },
+            f,
+        )
 
 
 @pytest.mark.slow
 def test_gradient_accumulation_reduces_to_the_owner_every_micro_batch(tmp_path):
-    """GA 2 on 2 ranks (Note: [Partitioned gradients are reduced to their owner every micro-batch]): every unit's
+    """GA 2 on 2 ranks (Note: [Partitioned gradients are reduced to their owner every micro-batch]), the cadence
+    forced (``planner_dp_reduce_every="micro_batch"``): every unit's
     gradient is reduced to its owner once per micro-batch (a non-owner has no accumulator), the resident parameters
     all-reduced once per optimizer step, and each rank receives the compute copy of each unit it does not own once
     per step; losses and weights equal one process at the global batch within the tolerances."""
@@ -381,6 +393,31 @@ def test_gradient_accumulation_reduces_to_the_owner_every_micro_batch(tmp_path):
 
     initial = tiny_model("qwen3", seed=1).state_dict()
     assert any(not torch.allclose(ref[k], initial[k]) for k in ref)
+
+
+@pytest.mark.slow
+def test_planner_chosen_cadence_is_what_the_ranks_run(tmp_path):
+    """``planner_dp_reduce_every="auto"`` with GA 2 on 2 ranks (the MILP plan of rank 0 on this machine's measured
+    profile): both ranks run the plan's choice (Note: [Gradients reduced once per step]), its simulated steps
+    recorded; each unit is reduced once per step with "step", once per micro-batch otherwise, and the ranks end
+    bit-equal."""
+    ddp = tmp_path / "ddp"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", __file__,
+           "--worker", "--out", str(ddp), "--per-device-batch", "2", "--ga", "2", "--dp-reduce-every", "auto"]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=_env(), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    infos = [json.loads((ddp / f"rank{r}.json").read_text()) for r in range(2)]
+    mode, every = infos[0]["dp_reduce"]
+    steps = infos[0]["dp_reduce_step_s"]
+    print(f"planner: dp_reduce={mode}, dp_reduce_every={every}, simulated steps {steps}")
+    assert infos[1]["dp_reduce"] == [mode, every] and set(steps) >= {"host", "host/step"}
+    assert steps[mode if every == "micro_batch" else f"{mode}/{every}"] == min(steps.values())
+    per_step = 1 if every == "step" else 2
+    for info in infos:
+        assert all({k: v for k, v in c.items() if k.isdigit()} == {str(i): per_step for i in range(4)}
+                   for c in info["reductions"]), info["reductions"]
+    r0, r1 = load_file(ddp / "rank0.safetensors"), load_file(ddp / "rank1.safetensors")
+    assert all(torch.equal(r0[k], r1[k]) for k in r0)
 
 
 if __name__ == "__main__" and "--worker" in sys.argv:
