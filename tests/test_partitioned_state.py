@@ -13,6 +13,7 @@ from conftest import tiny_model
 from test_streaming import padded_batch
 
 from lazytrain_hf import models
+from lazytrain_hf.planner import hostmem
 from lazytrain_hf.planner.plan import Plan
 from lazytrain_hf.streaming import attach
 from lazytrain_hf.training import dataparallel
@@ -193,6 +194,9 @@ def test_step_reduce_accumulates_on_every_rank_and_reduces_once():
         try:
             _step_grads(handle, model, batches)
             own = {i: ls.grad.clone() for i, ls in handle.store.layers.items() if not ls.remote}
+            # the accumulators of the units another rank owns: what the planner counts (planner/hostmem.py)
+            planned = hostmem.run_footprint(model, plan, device="cpu", gradient_accumulation_steps=2, rank=rank)
+            assert handle.step_accumulator_bytes == planned.step_grads > 0 and planned.reduce_staging == 0
             got = dict(handle.trace.current["bytes"])
             predicted = schedule.bytes_per_step(plan, schedule.sizes_from_model(model, plan), 2, World(2, 1), rank)
             assert {lane: got[lane] for lane in predicted} == predicted, (got, predicted)

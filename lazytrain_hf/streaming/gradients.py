@@ -413,6 +413,12 @@ class GradientSink:
 
         self.engine.offload_grads(pairs, accumulate=not fresh, after=after, layer=i)
 
+    @property
+    def step_accumulator_bytes(self) -> int:
+        """Bytes of this rank's accumulators of units owned elsewhere (Note: [Gradients reduced once per step]),
+        `planner.hostmem`'s ``step_grads`` once every such unit has completed."""
+        return sum(4 * a.numel() for a in self.__dict__.get("_step_accumulators", {}).values())
+
     def release_remote_staging(self) -> None:
         """Free the staging of gradients reduced to other ranks and the accumulators of units owned elsewhere
         (`remove()`)."""
