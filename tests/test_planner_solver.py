@@ -263,3 +263,13 @@ def test_batch_search_solves_only_what_can_win():
 def test_bad_search_budget_raises():
     with pytest.raises(ValueError, match="search_time_limit"):
         milp.plan_for_model("qwen3-8b", "h800", 1024, auto_batch_size=True, search_time_limit=0)
+
+
+def test_solve_with_its_time_spent_before_the_coarse_solve_returns_a_plan():
+    """A solve whose time limit is spent before its lookahead-1 solve (the heuristic alone took longer, as under load
+    in the batch search: a 128-layer MoE's search raised ``time_limit=-0.25 must be > 0``) returns the plan it holds,
+    said so, instead of raising."""
+    cm = CostModel.from_config(get_config("qwen3-8b"), "h800", 1024, 4)
+    with pytest.warns(milp.PlannerFallbackWarning):
+        plan = milp.solve(cm, time_limit=0.001)
+    assert plan.solver["fallback"] and plan.predicted["peak_gpu_bytes"] <= cm.hardware.default_gpu_budget()
