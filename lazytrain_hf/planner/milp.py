@@ -147,7 +147,9 @@ def solve(
         if heuristic is None or not fits_budgets(evaluate_plan(heuristic, cm), gpu_budget, host_budget, nvme_budget):
             raise _infeasible(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
     coarse = None
-    if lookahead >= 2 and not fixed_slotting:
+    # the coarse solve only when its share is worth a solver start (a heuristic slowed down by a loaded machine can
+    # take the whole limit: its share would be negative)
+    if lookahead >= 2 and not fixed_slotting and (time_limit - _since(t_start)) / 4 >= _MIN_SOLVE_S:
         # Solve with lookahead 1 first (a much smaller model): its plan is a point of this one and a strong warm start.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
