@@ -8,12 +8,15 @@ import time
 import warnings
 
 import pytest
-from helpers.big_shapes import QWEN3_235B
+from helpers.big_shapes import MOE_128L, QWEN3_235B, QWEN25_72B
 
 from lazytrain_hf.planner import milp
 from lazytrain_hf.planner.costmodel import CostModel
 from lazytrain_hf.planner.formulation import build_milp
 from lazytrain_hf.planner.highs_run import model_arrays, run_bounded
+from lazytrain_hf.planner.plan import Plan
+from lazytrain_hf.planner.search import fastest_plan_bounded
+from lazytrain_hf.planner.solver import relaxation_bound
 from lazytrain_hf.planner.zoo import get_config
 
 pytest.importorskip("highspy")
@@ -178,6 +181,95 @@ def test_auto_batch_size_keeps_its_search_budget():
     assert took <= budget * 1.1 + 3.0, took
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("shape", [QWEN3_235B, MOE_128L, QWEN25_72B], ids=lambda c: c.name)
+def test_auto_batch_size_returns_the_solvers_plan(shape):
+    """``auto_batch_size`` at seq 8192 for 80-128 layers (94- and 128-layer MoE, 80-layer dense) within the CLI's
+    60 s: the plan is the solver's own, with its proven gap, never the heuristic fallback; the batch sizes the
+    search did not solve were left out by their LP bound or, said so, for want of time. Before the bound the search
+    solved all seven candidates with even shares and, on a loaded machine, returned the last solve's heuristic
+    plan (``no_solution``) after 60.3 s."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        plan = milp.plan_for_model(shape, "h200", 8192, auto_batch_size=True, search_time_limit=60)
+    search = plan.predicted["batch_search"]
+    assert plan.source == "milp" and "fallback" not in plan.solver, plan.solver
+    # the proven gap is reported (the 80-layer dense shape solves six batch sizes, some stopped at their share)
+    assert plan.solver["gap"] is not None and 0 <= plan.solver["gap"] < 1, plan.solver
+    assert plan.predicted["peak_gpu_bytes"] <= H200_GPU
+    assert search["solved"][0] == plan.predicted["max_batch_size"]
+    left_out = {b for b, _ in search["pruned"]} | set(search["skipped"])
+    assert set(search["solved"]) | left_out == set(search["candidates"]), search
+    for _, ub in search["pruned"]:
+        assert ub <= plan.predicted["tokens_per_s"], search
+
+
+def test_lp_bound_is_a_lower_bound_of_the_optimum():
+    """The LP relaxation's optimum (the bound the batch search prunes with) is at most the MILP's optimum, for the
+    step time and for the least peak memory."""
+    cm = CostModel.from_config(get_config("qwen3-8b"), "h800", 1024, 4)
+    for objective, budget in (("time", 70 * 2**30), ("memory", None)):
+        model = build_milp(cm, budget, 2**40, 0, ("gpu", "cpu"), 2, objective)
+        lb = relaxation_bound(model.prob, "highs", 10)
+        rep = milp.run_solver(model.prob, "highs", 30, 0.0, warm=False)
+        assert rep["status"] == "optimal", rep
+        assert lb is not None and 0 < lb <= rep["objective"] * (1 + 1e-7), (objective, lb, rep["objective"])
+
+
+def test_infeasible_batch_is_proven_by_the_lp_bound(monkeypatch):
+    """A batch size whose least-memory LP is above the budget is infeasible without a MILP solve; one the MILP
+    finds infeasible is also found so with the bound."""
+    cm = CostModel.from_config(QWEN3_235B, "h200", 8192, 32)
+    calls = []
+    real = milp.run_solver
+    monkeypatch.setattr(milp, "run_solver", lambda *a, **k: calls.append(a) or real(*a, **k))
+    assert not milp.milp_feasible(cm, H200_GPU, H200_HOST)
+    assert calls == []
+    monkeypatch.setattr(milp, "relaxation_bound", lambda *a, **k: None)  # no bound: the MILP decides, alike
+    assert not milp.milp_feasible(cm, H200_GPU, H200_HOST)
+    assert len(calls) == 1
+
+
+def _plan(b: int, tokens_per_s: float, fallback: bool = False) -> Plan:
+    plan = Plan(layers=[], micro_batch_size=b, seq_len=8)
+    plan.predicted = {"tokens_per_s": tokens_per_s}
+    plan.solver = {"status": "optimal", **({"fallback": "no plan"} if fallback else {})}
+    return plan
+
+
+def test_batch_search_solves_only_what_can_win():
+    """Largest batch first with half the time; a batch whose bound is below the plan held is not solved; a
+    fallback plan never beats the solver's own; no solve is started with less than the least time."""
+    speed = {8: 100.0, 6: 90.0, 4: 120.0, 2: 50.0, 1: 30.0}
+    bounds = {6: 95.0, 4: 130.0, 2: 99.0, 1: 200.0}
+    solves, clock = [], [100.0]
+
+    def solve_at(b, warm, seconds):
+        solves.append((b, None if warm is None else warm.micro_batch_size, seconds))
+        clock[0] -= 10
+        return _plan(b, speed[b], fallback=(b == 4))
+
+    plan, report = fastest_plan_bounded(solve_at, [1, 2, 4, 6, 8], bounds.get, lambda: clock[0], 5.0)
+    assert plan.micro_batch_size == 8  # 4's plan is faster but a fallback
+    assert solves[0] == (8, None, 50.0) and solves[1][:2] == (4, 4)  # warm-started from 8's plan, rescaled
+    assert report["solved"] == [8, 4, 1] and report["pruned"] == [[6, 95.0], [2, 99.0]]
+    assert report["fallback"] == [4] and report["skipped"] == []
+    clock[0] = 4.0  # less than the least time: nothing more is started
+    solves.clear()
+    plan, report = fastest_plan_bounded(solve_at, [1, 8], bounds.get, lambda: clock[0], 5.0)
+    assert report == {"solved": [8], "pruned": [], "skipped": [1], "fallback": []} and len(solves) == 1
+
+
 def test_bad_search_budget_raises():
     with pytest.raises(ValueError, match="search_time_limit"):
         milp.plan_for_model("qwen3-8b", "h800", 1024, auto_batch_size=True, search_time_limit=0)
+
+
+def test_solve_with_its_time_spent_before_the_coarse_solve_returns_a_plan():
+    """A solve whose time limit is spent before its lookahead-1 solve (the heuristic alone took longer, as under load
+    in the batch search: a 128-layer MoE's search raised ``time_limit=-0.25 must be > 0``) returns the plan it holds,
+    said so, instead of raising."""
+    cm = CostModel.from_config(get_config("qwen3-8b"), "h800", 1024, 4)
+    with pytest.warns(milp.PlannerFallbackWarning):
+        plan = milp.solve(cm, time_limit=0.001)
+    assert plan.solver["fallback"] and plan.predicted["peak_gpu_bytes"] <= cm.hardware.default_gpu_budget()

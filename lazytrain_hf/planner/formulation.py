@@ -28,7 +28,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import SLOT_ALIGN, copies_inline, grads_leave_next_stage, held_grad_bytes, pool_slots
+from .memmodel import (
+    SLOT_ALIGN,
+    copies_inline,
+    grads_leave_next_stage,
+    held_grad_bytes,
+    pool_slots,
+    resident_norm_bytes,
+)
 from .plan import Plan
 from .stages import (
     OPTIONS,
@@ -280,7 +287,7 @@ def build_milp(
     head_held, embed_held = held_grad_bytes(cm)
     for s in range(L, S):
         const_mem[s] += head_held
-    const_mem[S] += head_held + embed_held
+    const_mem[S] += head_held + embed_held + resident_norm_bytes(cm)  # the global norm's fp32 copy of one of them
     const_d2h[L + 1] += cm.head_grad_bytes
     if cm.head_bytes and L >= 1:
         const_h2d[L - 1] += cm.head_bytes

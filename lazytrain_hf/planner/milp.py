@@ -27,13 +27,13 @@ from typing import Any
 
 from . import dpreduce
 from .costmodel import CostModel
-from .formulation import build_milp, extract_plan, set_warm_start
+from .formulation import GIB, build_milp, extract_plan, set_warm_start
 from .hardware import HardwareProfile, get_profile
 from .heuristics import heuristic_plan, min_memory_plan
 from .outcome import PlannerFallbackWarning, settle
 from .plan import Plan
-from .search import batch_candidates, fastest_plan, max_feasible_batch
-from .solver import SOLVERS, resolve_solver, run_solver
+from .search import batch_candidates, fastest_plan_bounded, max_feasible_batch
+from .solver import SOLVERS, relaxation_bound, resolve_solver, run_solver
 from .stages import (
     DEFAULT_LOOKAHEAD,
     OPTIONS,
@@ -147,7 +147,9 @@ def solve(
         if heuristic is None or not fits_budgets(evaluate_plan(heuristic, cm), gpu_budget, host_budget, nvme_budget):
             raise _infeasible(cm, gpu_budget, host_budget, nvme_budget, allowed_tiers, lookahead, solver)
     coarse = None
-    if lookahead >= 2 and not fixed_slotting:
+    # the coarse solve only when its share is worth a solver start (a heuristic slowed down by a loaded machine can
+    # take the whole limit: its share would be negative)
+    if lookahead >= 2 and not fixed_slotting and (time_limit - _since(t_start)) / 4 >= _MIN_SOLVE_S:
         # Solve with lookahead 1 first (a much smaller model): its plan is a point of this one and a strong warm start.
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
@@ -189,6 +191,10 @@ def solve(
 
 
 _MIN_SOLVE_S = 0.5  # the least time worth starting a solver for (a HiGHS worker process starts in ~0.3 s)
+_LP_S = 5.0  # the most seconds of one LP relaxation (they take 0.1-0.3 s)
+_LP_TOL = 1e-6  # relative: an LP bound must exceed the budget / plan by more than the LP's tolerances
+_SEARCH_SOLVES_SHARE = 0.9  # of search_time_limit, for the search's probes and solves; the rest: bookkeeping
+_MIN_SEARCH_SOLVE_S = 5.0  # the least time a batch search starts one more solve with (a loaded machine: 2-3 s)
 
 
 def _since(t0: float) -> float:
@@ -297,6 +303,12 @@ def milp_feasible(
     quick = evaluate_plan(min_memory_plan(cm, allowed_tiers), cm)
     if fits_budgets(quick, gpu_budget, host_budget, nvme_budget):
         return True
+    # the least-memory LP's optimum bounds every plan's peak from below (See Note: [The batch search solves only the
+    # batch sizes that can win] in search.py): above the budget, no plan fits
+    model = build_milp(cm, None, host_budget, nvme_budget, allowed_tiers, lookahead, objective="memory")
+    least = relaxation_bound(model.prob, resolve_solver(solver), min(time_limit, _LP_S))
+    if least is not None and least > gpu_budget / GIB * (1 + _LP_TOL):
+        return False
     need = min_gpu_budget(cm, host_budget, nvme_budget, allowed_tiers, lookahead, solver, time_limit)
     return need is not None and need <= gpu_budget
 
@@ -351,8 +363,10 @@ def plan_for_model(
             is recorded in ``plan.predicted["max_batch_size"]``.
         measured_times: ``(fwd_s, bwd_s)`` per layer measured at ``micro_batch_size`` (timed warm-up steps).
         time_limit: seconds of one solve (the batch search's solves share ``search_time_limit``).
-        search_time_limit: with ``auto_batch_size``, the wall-clock seconds of the whole batch search: each solve
-            gets at most its share of what is left (``min(time_limit, left / solves left)``).
+        search_time_limit: with ``auto_batch_size``, the wall-clock seconds of the whole batch search: the largest
+            feasible batch is solved first with half of what is left, and only the batch sizes that can beat the
+            plan held are solved after it (`search.fastest_plan_bounded`); ``plan.predicted["batch_search"]`` says
+            which were solved, left out by their bound or left out for want of time.
         state_nvme: the units whose training state is on NVMe (`lazytrain_hf.planner.hostmem.place_state`): their
             state I/O is in the stage and tail constraints (`CostModel.with_state_nvme`), and the plan keeps them.
         world: the data-parallel world every rank runs the plan in (`lazytrain_hf.planner.world`; default one
@@ -416,31 +430,40 @@ def plan_for_model(
         return record_world(dpreduce.decide(plan, base, world, ga), base, world, ga)
 
     cms: dict[int, CostModel] = {}
+    # the probes and the solves end by this deadline; the rest of search_time_limit is for the bookkeeping between
+    # and after them (building models, evaluating plans), which a loaded machine slows down too
+    deadline = t_search + _SEARCH_SOLVES_SHARE * search_time_limit
 
     def cm_at(b: int) -> CostModel:
         if b not in cms:
             cms[b] = base.with_batch(b) if b != b0 else base
         return cms[b]
 
+    def left() -> float:
+        return deadline - time.perf_counter()
+
     def feasible(b: int) -> bool:
-        left = search_time_limit - _since(t_search)
-        return milp_feasible(cm_at(b), gpu_b, host_b, nvme_b, tiers, lookahead, solver, time_limit=max(left / 4, 1))
+        return milp_feasible(cm_at(b), gpu_b, host_b, nvme_b, tiers, lookahead, solver, time_limit=max(left() / 4, 1))
 
     b_max = max_feasible_batch(feasible, max_batch_size)
     if b_max == 0:
         raise _infeasible(cm_at(1), gpu_b, host_b, nvme_b, tiers, lookahead, solver)
-    candidates = batch_candidates(b_max)
-    solved: list[int] = []
 
-    def solve_at(b: int, warm: Plan | None) -> Plan:
-        # the solves share what is left of search_time_limit, largest batch first
-        share = 0.95 * (search_time_limit - _since(t_search)) / (len(candidates) - len(solved))  # 5%: bookkeeping
-        solved.append(b)
-        return solve(cm_at(b), **{**kw, "time_limit": max(min(time_limit, share), 1e-3)}, warm_start=warm)
+    def bound(b: int) -> float:
+        # no plan at b beats b * T / LP(b) tokens/s (See Note: [The batch search solves only the batch sizes that
+        # can win] in search.py)
+        cm = cm_at(b)
+        model = build_milp(cm, gpu_b, host_b, nvme_b, tiers, lookahead, "time")
+        step = relaxation_bound(model.prob, resolve_solver(solver), min(max(left() / 4, 0.5), _LP_S))
+        return cm.tokens / (step * (1 - _LP_TOL)) if step is not None and step > 0 else float("inf")
 
-    best = fastest_plan(solve_at, candidates)
+    def solve_at(b: int, warm: Plan | None, seconds: float) -> Plan:
+        return solve(cm_at(b), **{**kw, "time_limit": max(min(time_limit, seconds), 1e-3)}, warm_start=warm)
+
+    best, report = fastest_plan_bounded(solve_at, batch_candidates(b_max), bound, left, _MIN_SEARCH_SOLVE_S)
     best.predicted["max_batch_size"] = b_max
-    best.predicted["batch_sizes_tried"] = list(candidates)
+    best.predicted["batch_sizes_tried"] = report["solved"]
+    best.predicted["batch_search"] = {**report, "candidates": batch_candidates(b_max), "seconds": _since(t_search)}
     best.model = name
     best.state_nvme = sorted(int(k) for k in state_nvme)
     cm = cm_at(best.micro_batch_size)

@@ -1,15 +1,16 @@
 """The solver backend: which MILP solver runs (CBC or HiGHS), under what settings, and what it says it found.
 
 Owns: `SOLVERS` and `resolve_solver` (``auto``: HiGHS when ``highspy`` is installed, else PuLP's bundled CBC),
-and `run_solver`, which runs a built PuLP problem with the time limit, relative gap, warm start and thread count
-given explicitly and quiet output, and reports status, gap, objective and bound read from the solver itself (CBC's log,
-HiGHS' info), not only PuLP's summary. Either solver runs in a child process that ends by the time limit by the wall
-clock: CBC's binary (`cbc_run.py`, Note: [CBC's own time limit is not the wall clock]), with the warm start as its
-start file, and a HiGHS worker, presolve included (`highs_run.py`, Note: [HiGHS presolve ignores the time limit]),
-with the warm start handed over through ``Highs.setSolution``. Never raises on an infeasible or unsolved problem: it
-reports, and `solve` decides (dedicated exception, incumbent with a warning, or the heuristic fallback). Knows the PuLP
-problem only, not the formulation's variables, plans or cost models; imports pulp only inside its functions (here and
-in `cbc_run.py`), never torch.
+`run_solver`, which runs a built PuLP problem with the time limit, relative gap, warm start and thread count given
+explicitly and quiet output, and reports status, gap, objective and bound read from the solver itself (CBC's log,
+HiGHS' info), not only PuLP's summary, and `relaxation_bound` (the LP relaxation's optimum, a lower bound). Either
+solver runs in a child process that ends by the time limit by the wall clock: CBC's binary (`cbc_run.py`, Note:
+[CBC's own time limit is not the wall clock]), with the warm start as its start file, and a HiGHS worker, presolve
+included (`highs_run.py`, Note: [HiGHS presolve ignores the time limit]), with the warm start handed over through
+``Highs.setSolution``. Never raises on an infeasible or unsolved problem: it reports, and `solve` decides
+(dedicated exception, incumbent with a warning, or the heuristic fallback). Knows the PuLP problem only, not the
+formulation's variables, plans or cost models; imports pulp only inside its functions (here and in `cbc_run.py`),
+never torch.
 """
 
 from __future__ import annotations
@@ -83,3 +84,16 @@ def run_solver(
     report["has_solution"] = has_solution
     report["seconds"] = time.perf_counter() - t0
     return report
+
+
+def relaxation_bound(prob: Any, solver: str, time_limit: float) -> float | None:
+    """A lower bound of the optimum of the PuLP (minimisation) problem ``prob``: its LP relaxation's optimum, with
+    HiGHS (`highs_run.relaxation_bound`) within ``time_limit`` seconds; ``None`` when there is none (CBC, whose LP
+    this module does not run, or an LP not solved in time). The batch search uses it to leave out batch sizes that
+    cannot beat the plan it holds, and to prove a batch size infeasible without a MILP solve."""
+    if solver != "highs":
+        return None
+    from .highs_run import model_arrays
+    from .highs_run import relaxation_bound as lp_bound
+
+    return lp_bound(model_arrays(prob, False), time_limit)

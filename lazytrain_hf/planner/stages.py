@@ -39,7 +39,14 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import copies_inline, grads_leave_next_stage, held_grad_bytes, slot_pools, streamed_head_terms
+from .memmodel import (
+    copies_inline,
+    grads_leave_next_stage,
+    held_grad_bytes,
+    resident_norm_bytes,
+    slot_pools,
+    streamed_head_terms,
+)
 from .plan import INPUT_TIERS, LayerPlan, Plan, PlanError
 from .schedule import bytes_per_step, sizes_from_cost_model
 
@@ -343,7 +350,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     for s in range(S):
         run += mem_diff[s]
         mem.append(fixed + run)
-    mem.append(fixed + mem_tail + head_held + embed_held)
+    # the end of backward: every held gradient and the global norm's fp32 copy of one (memmodel.resident_norm_bytes)
+    mem.append(fixed + mem_tail + head_held + embed_held + (0 if plan.stream_embeddings else resident_norm_bytes(cm)))
     for s, nbytes in moments:
         mem[s] = max(mem[s], fixed + nbytes)
     step = prefix[-1] + tail
