@@ -71,8 +71,8 @@ Note: [The state on NVMe works partitioned]
     step of ``g`` micro-batches a rank reads from NVMe, for each unit it owns: the compute copy at each of its
     fetches (every micro-batch), the accumulated gradient before each of micro-batches ``2..g`` adds into it, the
     optimizer step's state (masters, gradient, moments: ``state_read``), and the updated compute copy once more,
-    into the node copy (`PartitionedDataParallel.send_compute`). `lazytrain_hf.planner.schedule` predicts exactly that per
-    rank (``node_copy``). Tests: ``tests/test_partitioned_state.py::test_state_on_nvme_is_read_by_its_owner_only``,
+    into the node copy (`PartitionedDataParallel.send_compute`). `lazytrain_hf.planner.schedule` predicts exactly
+    that per rank (``node_copy``). Tests: ``tests/test_partitioned_state.py::test_state_on_nvme_is_read_by_its_owner_only``,
     ``tests/test_trainer_ddp.py::test_step_reduce_of_moe_units_with_streamed_embeddings_and_state_on_nvme_matches_one_process``
     and ``::test_partitioned_state_on_nvme_matches_one_process`` (slow: every lane of every step as predicted).
 
