@@ -143,7 +143,7 @@ def test_partitioned_state_on_nvme_matches_one_process(tmp_path):
         # Note: [The state on NVMe works partitioned]: it reads its own units' state only, as predicted
         predicted = json.loads((tmp_path / "ddp" / f"rank{r}.plan.json").read_text())["predicted"]["bytes_per_step"]
         assert all(b == predicted for b in s["trace_bytes"]), (s["trace_bytes"], predicted)
-        assert {int(k.split()[1]) for k in s["nvme_read"][0]} == set(s["nvme_units"])
+        assert {int(k.rsplit(" ", 1)[1]) for k in s["nvme_read"][0]} == set(s["nvme_units"])
 
 
 @pytest.mark.slow
@@ -314,7 +314,7 @@ def test_step_reduce_of_moe_units_with_streamed_embeddings_and_state_on_nvme_mat
         # every lane equals the prediction, nvme_read too (Note: [The state on NVMe works partitioned])
         predicted = plan["predicted"]["bytes_per_step"]
         assert all(b == predicted for b in s["trace_bytes"]), (s["trace_bytes"], predicted)
-        assert {int(k.split()[1]) for k in s["nvme_read"][0]} == set(s["nvme_units"]) == set(s["updated_units"])
+        assert {int(k.rsplit(" ", 1)[1]) for k in s["nvme_read"][0]} == set(s["nvme_units"]) == set(s["updated_units"])
         print(f"rank {r}: nvme_read per step {predicted['nvme_read']}: {s['nvme_read'][0]}")
         assert s["net"] == [{"reduce": single["grad_bytes"] - s["grad_bytes"]}] * 3, s["net"]
         assert s["reductions"] == {str(k): 3 for k in s["units"]}, s["reductions"]
