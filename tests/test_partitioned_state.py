@@ -230,3 +230,49 @@ def test_step_reduce_accumulates_on_every_rank_and_reduces_once():
         assert torch.allclose(g, want[i], rtol=1e-5, atol=1e-7), f"unit {i}: {(g - want[i]).abs().max()}"
         worst = max(worst, float((g - want[i]).abs().max()))
     print(f"owner's accumulators vs one process: max abs diff {worst:.3g}")
+
+
+def test_state_on_nvme_is_read_by_its_owner_only(tmp_path):
+    """Note: [The state on NVMe works partitioned]: every unit's state on NVMe, two ranks, gradient accumulation 2,
+    reduced once per step, without collectives. A rank's state files hold its own units only, so it reads from NVMe
+    the compute copies of its own units at their fetches and their accumulated gradients before the second
+    micro-batch adds into them; the compute copies of the units another rank owns come from RAM (the node copy). The
+    trace's ``nvme_read`` of the micro-batches (the optimizer step's state reads are the slow launch's:
+    tests/test_trainer_ddp.py) equals the plan's prediction for each rank, by unit, and the two ranks read less
+    than one process."""
+    from lazytrain_hf.planner import schedule
+    from lazytrain_hf.planner.world import World
+
+    batches = [padded_batch(seed=11), padded_batch(seed=12)]
+    read: dict[int, dict] = {}
+    for rank in (0, 1):
+        model = tiny_model("qwen3", seed=1)
+        plan = _plan(model, stream_embeddings=True)
+        plan.state_nvme = [-1, *range(plan.num_layers), plan.num_layers]
+        plan.world_size, plan.dp_reduce_every = 2, "step"
+        owners = dataparallel.unit_owners_of(model, plan, 2)
+        (tmp_path / str(rank)).mkdir()
+        handle = attach(model, plan, unit_owners=owners, rank=rank, state_nvme_dir=str(tmp_path / str(rank)))
+        handle.dp_reduce_every = "step"
+        handle.owner_grad_reducer = lambda unit, flat, owner, last: None
+        try:
+            assert sorted(handle.nvme_state.units) == sorted(k for k, r in owners.items() if r == rank)
+            _step_grads(handle, model, batches)
+            got: dict[tuple, int] = {}
+            for t in handle.trace.current["transfers"]:
+                if t["lane"] == "nvme_read":
+                    got[(t["what"], t["layer"])] = got.get((t["what"], t["layer"]), 0) + t["bytes"]
+            sizes = schedule.sizes_from_model(model, plan)
+            want: dict[tuple, int] = {}
+            for t in schedule.step_transfers(plan, sizes, 2, World(2, 1), rank):
+                if t.lane == "nvme_read" and t.stage <= 2 * plan.num_layers:  # the micro-batches, not the update
+                    key = ("fetch" if t.what.startswith("fetch") else t.what, t.layer)
+                    want[key] = want.get(key, 0) + t.nbytes * (1 if t.per_step else 2)
+            assert got == want, (rank, got, want)
+            assert {k for _, k in got} == set(handle.nvme_state.units)  # its own units only
+            read[rank] = got
+        finally:
+            handle.remove()
+    one = schedule.bytes_per_step(plan, sizes, 2, World(1, 1))["nvme_read"]
+    print(f"micro-batch NVMe reads per step: rank 0 {sum(read[0].values())}, rank 1 {sum(read[1].values())}")
+    assert 0 < sum(read[0].values()) + sum(read[1].values()) < one

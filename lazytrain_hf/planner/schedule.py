@@ -31,8 +31,9 @@ stage it is issued in), written from the executor's rules, which read the same `
   "device"`` a unit another rank owns is summed into the owner's device gradient instead (``reduce_device``, its
   gradient bytes in their dtype, the stage of its backward), and this rank copies nothing of it D2H; the owner's D2H
   stays. With ``plan.dp_reduce_every == "step"`` a ``reduce`` is sent once per optimizer step (``per_step``), after
-  the last micro-batch (Note: [Gradients reduced once per step] in streaming/gradients.py). The state of a unit on NVMe is in its owner's files: only the owner writes and reads its gradient there and
-  runs its optimizer step's state I/O.
+  the last micro-batch (Note: [Gradients reduced once per step] in streaming/gradients.py). The state of a unit on
+  NVMe is in its owner's files (Note: [The state on NVMe works partitioned] in
+  streaming/nvmestate.py).
   With one rank there is no ``net`` traffic and `bytes_per_step` has no ``net`` key (the single-process trace and
   plan files are unchanged).
 
@@ -117,7 +118,8 @@ class Transfer:
         lane: one of `LANES`.
         what: ``fetch_fwd``, ``fetch_bwd``, ``fetch_rec`` (block recomputation), ``offload``, ``reload``,
             ``spill`` (NVMe write), ``unspill`` (NVMe read), ``grad``, ``upload``, ``state`` (a unit's state on
-            NVMe), ``reduce``, ``reduce_device`` and ``gather`` (``net`` lane: a data-parallel world).
+            NVMe), ``node_copy`` (its owner's read of its updated compute copy, a data-parallel world), ``reduce``,
+            ``reduce_device`` and ``gather`` (``net`` lane: a data-parallel world).
         layer: decoder layer index, ``-1`` for the embedding unit, ``L`` for the head unit, ``None`` for the
             parameters that are not streamed.
         stage: the stage the executor issues it in (``F_i = i``, ``H = L``, ``B_i = 2L - i``, ``2L + 1`` = after
@@ -182,8 +184,9 @@ def step_transfers(
     def add(lane: str, what: str, layer: int | None, n: int, stage: int, per_step: bool = False) -> None:
         if not n:
             return
-        if layer in on_nvme and lane == "h2d" and what.startswith("fetch"):
-            out.append(Transfer("nvme_read", what, layer, int(n), stage, per_step))  # the compute copy from NVMe
+        if layer in on_nvme and owned(layer) and lane == "h2d" and what.startswith("fetch"):
+            # the compute copy from NVMe; another rank's unit's from RAM (Note: [The state on NVMe works partitioned])
+            out.append(Transfer("nvme_read", what, layer, int(n), stage, per_step))
         remote = multi and lane == "d2h" and what == "grad" and layer is not None
         remote = remote and owner.get(layer, -1) not in (-1, rank)
         if remote and on_device:
@@ -252,6 +255,8 @@ def step_transfers(
         if owned(k):  # the unit's state file is its owner's
             add("nvme_read", "state", k, u.state_read, tail, per_step=True)
             add("nvme_write", "state", k, u.state_write, tail, per_step=True)
+            if multi:  # its updated compute copy, read back from the file into the node copy
+                add("nvme_read", "node_copy", k, u.weight, tail, per_step=True)
     if multi:
         node = world.node_of(rank)
         for k in unit_order(L, plan.stream_embeddings):

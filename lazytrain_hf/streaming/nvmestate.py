@@ -64,6 +64,18 @@ Note: [A fetch from NVMe is read off the step's threads]
     compute copy on the step's threads, gradients bit-exact), ``::test_state_nvme_fetch_windows_are_bounded``,
     ``::test_state_nvme_fetch_read_stalls_are_waited_for`` and ``::test_state_nvme_fetch_read_error_reaches_the_step``.
 
+Note: [The state on NVMe works partitioned]
+    In a data-parallel world (Note: [The training state is partitioned by unit] in planner/world.py) a rank's
+    `NvmeState` holds the units it owns only (`StreamHandle`: ``plan.state_nvme`` & ``store.owned``); the compute
+    copy of a unit another rank owns is in RAM (the node copy) and its fetches read nothing from NVMe. Per optimizer
+    step of ``g`` micro-batches a rank reads from NVMe, for each unit it owns: the compute copy at each of its
+    fetches (every micro-batch), the accumulated gradient before each of micro-batches ``2..g`` adds into it, the
+    optimizer step's state (masters, gradient, moments: ``state_read``), and the updated compute copy once more,
+    into the node copy (`PartitionedDataParallel.send_compute`). `lazytrain_hf.planner.schedule` predicts exactly
+    that per rank (``node_copy``). Tests: ``tests/test_partitioned_state.py::test_state_on_nvme_is_read_by_its_owner_only``,
+    ``tests/test_trainer_ddp.py::test_step_reduce_of_moe_units_with_streamed_embeddings_and_state_on_nvme_matches_one_process``
+    and ``::test_partitioned_state_on_nvme_matches_one_process`` (slow: every lane of every step as predicted).
+
 I/O moves whole `IO_ALIGN` blocks between aligned host windows and aligned file offsets with ``O_DIRECT`` (the page
 cache is never used, so the host footprint is the windows'), or, on filesystems that refuse ``O_DIRECT``, with
 ``fdatasync`` + ``posix_fadvise(DONTNEED)`` (Note: [Spilled bytes leave RAM] in activations/nvme.py). Every read and

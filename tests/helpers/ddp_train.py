@@ -142,6 +142,15 @@ def main() -> None:
                 stats["d2h_grad"].append(d2h)
             # Note: [The trace is the planner's referee]: every lane of every traced step, this rank's
             stats["trace_bytes"] = [dict(step["bytes"]) for step in handle.trace.steps]
+            # the NVMe reads per step by kind and unit ("fetch_fwd 0", "grad -1", ...)
+            stats["nvme_read"] = []
+            for step in handle.trace.steps:
+                by: dict[str, int] = {}
+                for t in step.get("transfers", []):
+                    if t["lane"] == "nvme_read":
+                        key = f"{t['what']} {t['layer']}"
+                        by[key] = by.get(key, 0) + t["bytes"]
+                stats["nvme_read"].append(by)
             if handle.nvme_state is not None:
                 stats["nvme_units"] = sorted(handle.nvme_state.units)
             # gradient reduces each unit took part in over the run (data parallel; keys: str(unit))
