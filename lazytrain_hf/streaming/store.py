@@ -24,6 +24,8 @@ time straight into the layer's buffers (Note: [A layer is read from disk into it
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +48,38 @@ def pinned_zeros(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Ten
     and must be defined), page-locked when ``pin``; its `PinnedBlock` is appended to ``keep``, whose owner releases
     it (Note: [Pinned blocks are registered, not cached])."""
     return pinned.pinned_empty(n, dtype, pin, keep, "a host store buffer")
+
+
+def _load_malloc_trim():
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        trim = libc.malloc_trim
+    except (OSError, AttributeError):  # not glibc (macOS, musl): nothing to give back this way
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``); False where there is no such call or
+    nothing was given back.
+
+    Note: [Freed host memory goes back to the OS after each layer is built]
+        Building the host store frees host memory as it goes: a layer read from disk (`DiskSource`) is dropped once
+        copied into its buffers, and a parameter's own storage once it points at the store. glibc keeps freed
+        blocks below its mmap threshold (which rises up to 32 MiB as blocks are freed: a decoder layer's matrices)
+        in the heap, where a page stays resident after its block is freed unless the whole heap top is free. A
+        partly reused heap then keeps one or more layers' worth of freed pages resident for the life of the
+        process, and in a data-parallel run every rank does (up to 1.2 GB per rank measured: the 651M model of
+        BENCHMARKS.md "Data parallel", where every rank reads every layer to write the node's compute copy). The
+        store therefore calls `trim_heap` after each layer it builds (``malloc_trim`` walks the free blocks and
+        returns their whole pages, a few ms). Test: tests/test_given_back.py (``test_store_build_leaves_no_freed_
+        heap_resident``).
+    """
+    return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
 
 
 class PinnedArena:
@@ -438,6 +472,8 @@ class HostStore:
                 elif target is not None:
                     e.param.data = target
                 del src
+        loaded.clear()
+        trim_heap()  # Note: [Freed host memory goes back to the OS after each layer is built]
         self.layers[index] = ls
         if self.node_copy is not None:
             self.shared_compute[index] = compute_bytes
