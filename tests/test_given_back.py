@@ -66,3 +66,20 @@ def test_store_build_leaves_no_freed_heap_resident():
     print(got)
     assert got["layer_bytes"] > 8 << 20, got
     assert got["released"] < got["layer_bytes"] // 2, got
+
+
+@pytest.mark.parametrize("partitioned", [True, False], ids=["rank", "one-process"])
+def test_a_rank_maps_its_large_blocks(partitioned):
+    """Note: [A rank's large blocks are mapped] (streaming/store.py): a process whose glibc mmap threshold rose (a
+    20 MB block freed) serves an 8 MB block from the heap; once attached as a rank of a partitioned run, from a
+    mapping of its own (returned to the OS when freed). One process keeps glibc's behaviour."""
+    environ = env()
+    environ.pop("MALLOC_MMAP_THRESHOLD_", None)
+    proc = subprocess.run(
+        [sys.executable, os.path.join(HELPERS, "mmap_threshold.py")] + (["--owners"] if partitioned else []),
+        capture_output=True, text=True, timeout=300, env=environ,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    got = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert got["before"] is True, got  # the threshold rose: the test's premise
+    assert got["after"] is (not partitioned), got
