@@ -107,10 +107,13 @@ def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
         measured on the 651M model of BENCHMARKS.md "Data parallel", 4 ranks, ranks with a raised threshold held a
         heap of 1.5-1.7 GB during the steps with 0.8 GB of it in use (the rest: freed activations and staging
         touched once), the others 0.7 GB; training PSS summed over the ranks 12.1 GB, 10.5 GB with the threshold
-        fixed at 1 MiB. A partitioned run (`HostStore.owned` set: `StreamHandle` with ``unit_owners``) therefore
-        fixes it, which also turns the dynamic adjustment off; a one-process run keeps glibc's behaviour (measured:
-        its heap in use at its peak, no waste). Test: tests/test_given_back.py (``test_a_rank_maps_its_large_
-        blocks``).
+        fixed at 1 MiB from the start (``MALLOC_MMAP_THRESHOLD_``). A partitioned run (`HostStore.owned` set:
+        `StreamHandle` with ``unit_owners``) therefore fixes it, which also turns the dynamic adjustment off, and so
+        does `lazytrain_hf.from_pretrained` under a launcher of several ranks (``WORLD_SIZE`` > 1) before it builds
+        the model: fixed only at the store build it comes too late, after building the model left a 1.6 GB free
+        heap region that the steps then touch (measured: 12.8 GB summed). A one-process run keeps glibc's
+        behaviour (measured: its heap in use at its peak, no waste). The setting stays for the process. Test:
+        tests/test_given_back.py (``test_a_rank_maps_its_large_blocks``).
     """
     if os.environ.get("MALLOC_MMAP_THRESHOLD_") or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
         return False
