@@ -25,8 +25,9 @@ Per rank, the worker reports:
   this same RAM, so PSS counts the slots, the activations and the chunked loss that a GPU run keeps in GPU memory;
   the *host* columns are PSS less that figure, what a GPU run's host would hold;
 - ``train PSS``: the peak PSS up to ``on_train_end``, before `remove()` gives the model back at the end of
-  `train()` (one process then copies every parameter out of its host store; several ranks get views of the node's
-  shared copy), so the training steps' own peak;
+  `train()` (as views of the store's buffers or of the node's shared copy), so the training steps' own peak;
+  ``train host``: the same less the executor's accounted device peak (what a GPU run's host would hold over the
+  training steps);
 - step time: median interval between step ends after the first;
 - the bytes per lane of its first traced step (the trace's ``bytes_per_step``);
 - how many units it updated in that step (the trace's updates: the optimizer's work divided among the ranks).
@@ -236,6 +237,7 @@ def summarise(runs: list[list[dict]]) -> dict:
         pss_sum=med(lambda r: sum(x["peak_pss"] for x in r)),
         host_sum=med(lambda r: sum(x["peak_pss"] - x["device_peak"] for x in r)),
         train_pss_sum=med(lambda r: sum(x["train_pss"] for x in r)),
+        train_host_sum=med(lambda r: sum(x["train_pss"] - x["device_peak"] for x in r)),
         opt_max=med(lambda r: max(x["optimizer_s"] for x in r)),
         opt_cpu_max=med(lambda r: max(x["optimizer_cpu_s"] for x in r)),
         step=med(lambda r: max(x["step_s"] for x in r)),
@@ -302,14 +304,15 @@ def main(argv: list[str] | None = None) -> int:
           f"less the executor's accounted device bytes (the CPU device's memory is this RAM); 'state' is host less "
           f"one process figure per rank")
     print(f"{'ranks':>5} {'RSS/rank':>9} {'RSS sum':>9} {'PSS/rank':>9} {'PSS sum':>9} {'x1':>6} {'host sum':>9} "
-          f"{'x1':>6} {'state sum':>9} {'x1':>6} {'train PSS':>9} {'x1':>6} {'opt/rank s':>10} {'x1':>6} {'opt cpu s':>9} {'x1':>6} {'step s':>7} {'units/rank':>12}  "
+          f"{'x1':>6} {'state sum':>9} {'x1':>6} {'train PSS':>9} {'x1':>6} {'train host':>10} {'x1':>6} {'opt/rank s':>10} {'x1':>6} {'opt cpu s':>9} {'x1':>6} {'step s':>7} {'units/rank':>12}  "
           f"bytes per lane (rank 0)")
     for r in rows:
         print(f"{r['procs']:>5} {r['rss_max'] / mib:>8.0f}M {r['rss_sum'] / mib:>8.0f}M {r['pss_max'] / mib:>8.0f}M "
               f"{r['pss_sum'] / mib:>8.0f}M {r['pss_sum'] / base['pss_sum']:>6.2f} {r['host_sum'] / mib:>8.0f}M "
               f"{r['host_sum'] / base['host_sum']:>6.2f} {r['state_sum'] / mib:>8.0f}M "
               f"{r['state_sum'] / base['state_sum']:>6.2f} {r['train_pss_sum'] / mib:>8.0f}M "
-              f"{r['train_pss_sum'] / base['train_pss_sum']:>6.2f} {r['opt_max']:>10.3f} {r['opt_max'] / base['opt_max']:>6.2f} "
+              f"{r['train_pss_sum'] / base['train_pss_sum']:>6.2f} {r['train_host_sum'] / mib:>9.0f}M "
+              f"{r['train_host_sum'] / base['train_host_sum']:>6.2f} {r['opt_max']:>10.3f} {r['opt_max'] / base['opt_max']:>6.2f} "
               f"{r['opt_cpu_max']:>9.3f} {r['opt_cpu_max'] / base['opt_cpu_max']:>6.2f} {r['step']:>7.2f} "
               f"{str(r['units']):>12}  { {k: v for k, v in r['lanes'].items() if v} }")
     if a.json:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from .streaming.store import DISK_ATTR, DiskSource
+from .streaming.store import DISK_ATTR, DiskSource, fix_mmap_threshold
 
 WEIGHTS_FILE = "model.safetensors"
 WEIGHTS_INDEX_FILE = "model.safetensors.index.json"
@@ -267,6 +267,8 @@ def from_pretrained(
     kw: dict[str, Any] = {"dtype": dtype, "trust_remote_code": trust_remote_code}
     if attn_implementation is not None:
         kw["attn_implementation"] = attn_implementation
+    if int(os.environ.get("WORLD_SIZE", "1") or 1) > 1:
+        fix_mmap_threshold()  # Note: [A rank's large blocks are mapped] in streaming/store.py: before the model is built
     with init_empty_weights(include_buffers=False):
         model = AutoModelForCausalLM.from_config(config, **kw)
     # accelerate's init_empty_weights re-registers every parameter as a new meta tensor, which unties a tied lm_head

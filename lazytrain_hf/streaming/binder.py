@@ -322,6 +322,8 @@ class ParameterBinder:
                     shared = None
                     if node is not None and e.orig_dtype is None and e.orig_device.type == "cpu":
                         shared = node.private_view(src)  # Note: [Parameters given back share the node copy]
+                    elif node is None and e.name not in frozen and self._own_buffer(src, e):
+                        shared = src  # Note: [One process gives its store's buffers back]
                     if shared is not None:
                         e.param.data = shared
                     else:
@@ -340,3 +342,29 @@ class ParameterBinder:
             for mod, bn, orig in self._buffers:
                 orig.copy_(mod._buffers[bn].to(orig.device))
                 mod._buffers[bn] = orig
+
+    def _own_buffer(self, src: torch.Tensor, e) -> bool:
+        """Whether `remove()` may give parameter ``e`` the store's ``src`` itself instead of a copy.
+
+        Note: [One process gives its store's buffers back]
+            Without a node copy (one process) `remove()` used to copy every streamed parameter out of its host
+            store and then free the store: for a moment the whole model twice, and the process's peak at the end
+            of `train()`. A parameter whose value is ``src`` in its own dtype on its original device, the CPU (the
+            compute copy in the parameter's dtype, which with fp32 is its master: Note: [Compute copy aliases the
+            fp32 master] in store.py; or the fp32 master of a bf16 compute copy), is instead given ``src``, a view
+            of its layer's own buffer: the buffer lives as long as a parameter views it, and the layer's other
+            buffers (gradient accumulators, moments) go with the store. Nothing writes the store after `remove()`:
+            the updater is closed (its updates landed) before it; a later `attach` copies the values into a new
+            store. Not when ``src`` is carved from the store's arena (`HostStore.reserve`: one block for every
+            layer's compute copy *and* accumulators, which a view would keep alive whole), nor for a frozen
+            parameter with values of its own (Note: [A frozen parameter keeps its own values]). A page-locked
+            buffer is unregistered with its layer and stays valid as pageable memory (Note: [Unregister before
+            free] in lazytrain_hf/pinned.py). Test: tests/test_given_back.py
+            (``test_one_process_gives_the_store_buffers_back``).
+        """
+        if e.orig_device.type != "cpu" or src.device.type != "cpu" or src.dtype != (e.orig_dtype or e.dtype):
+            return False
+        if not src.is_contiguous() or tuple(src.shape) != tuple(e.shape):
+            return False
+        arena = self.store.arena
+        return arena is None or src.untyped_storage().data_ptr() != arena.block.untyped_storage().data_ptr()

@@ -48,7 +48,7 @@ from .gradients import GradientSink
 from .loss import chunked_causal_lm_loss
 from .nvmestate import NvmeState
 from .scheduler import FetchScheduler
-from .store import HostStore, has_disk_source
+from .store import HostStore, fix_mmap_threshold, has_disk_source
 from .units import EMBED_KEY, HeadUnits
 
 __all__ = ["EMBED_KEY", "RESIDENT_TRAINABLE_FRACTION", "StreamHandle", "attach", "hf_root"]
@@ -122,6 +122,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         self.rank = int(rank)
         if self.unit_owners is not None:
             self.store.owned = {k for k, r in self.unit_owners.items() if r == self.rank}
+            fix_mmap_threshold()  # Note: [A rank's large blocks are mapped] in store.py
         self.store.node_copy = node_copy  # Note: [The node's compute copy is shared by its ranks]
         self.engine = TransferEngine(device)
         # every transfer, compute span, update and host synchronisation of a step (lazytrain_hf.streaming.trace)

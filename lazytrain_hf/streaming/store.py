@@ -24,6 +24,9 @@ time straight into the layer's buffers (Note: [A layer is read from disk into it
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -46,6 +49,78 @@ def pinned_zeros(n: int, dtype: torch.dtype, pin: bool, keep: list) -> torch.Ten
     and must be defined), page-locked when ``pin``; its `PinnedBlock` is appended to ``keep``, whose owner releases
     it (Note: [Pinned blocks are registered, not cached])."""
     return pinned.pinned_empty(n, dtype, pin, keep, "a host store buffer")
+
+
+def _libc():
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or None)
+    except OSError:
+        return None
+
+
+def _load_malloc_trim():
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:  # not glibc (macOS, musl): nothing to give back this way
+        return None
+    trim.argtypes, trim.restype = [ctypes.c_size_t], ctypes.c_int
+    return trim
+
+
+_MALLOC_TRIM = _load_malloc_trim()
+
+
+def trim_heap() -> bool:
+    """Give the heap's free pages back to the OS (glibc ``malloc_trim(0)``); False where there is no such call or
+    nothing was given back.
+
+    Note: [Freed host memory goes back to the OS after each layer is built]
+        Building the host store frees host memory as it goes: a layer read from disk (`DiskSource`) is dropped once
+        copied into its buffers, and a parameter's own storage once it points at the store. glibc keeps freed
+        blocks below its mmap threshold (which rises up to 32 MiB as blocks are freed: a decoder layer's matrices)
+        in the heap, where a page stays resident after its block is freed unless the whole heap top is free. A
+        partly reused heap then keeps one or more layers' worth of freed pages resident for the life of the
+        process, and in a data-parallel run every rank does (up to 1.2 GB per rank measured: the 651M model of
+        BENCHMARKS.md "Data parallel", where every rank reads every layer to write the node's compute copy). The
+        store therefore calls `trim_heap` after each layer it builds (``malloc_trim`` walks the free blocks and
+        returns their whole pages, a few ms). Test: tests/test_given_back.py (``test_store_build_leaves_no_freed_
+        heap_resident``).
+    """
+    return bool(_MALLOC_TRIM(0)) if _MALLOC_TRIM is not None else False
+
+
+# glibc's mallopt parameter, and the threshold a partitioned run fixes (Note: [A rank's large blocks are mapped])
+_M_MMAP_THRESHOLD = -3
+MMAP_THRESHOLD_BYTES = 1 << 20
+
+
+def fix_mmap_threshold(nbytes: int = MMAP_THRESHOLD_BYTES) -> bool:
+    """Serve host blocks of ``nbytes`` and more from mappings of their own (glibc ``mallopt(M_MMAP_THRESHOLD)``),
+    unless the user set the threshold (``MALLOC_MMAP_THRESHOLD_``, or ``mmap_threshold`` in ``GLIBC_TUNABLES``);
+    False where not done (not glibc, or the user's setting stands).
+
+    Note: [A rank's large blocks are mapped]
+        glibc serves a block from its own mapping (returned to the OS when freed) when it is above the mmap
+        threshold, else from the heap, where freed pages stay resident. The threshold starts at 128 KiB and
+        rises, up to 32 MiB, to the size of each mapped block freed: once a process freed one 28 MB matrix, every
+        block up to that size goes to the heap. Whether that happened depends on the order of the frees before
+        training (transformers building the model, the store build), so ranks of one data-parallel run differed:
+        measured on the 651M model of BENCHMARKS.md "Data parallel", 4 ranks, ranks with a raised threshold held a
+        heap of 1.5-1.7 GB during the steps with 0.8 GB of it in use (the rest: freed activations and staging
+        touched once), the others 0.7 GB; training PSS summed over the ranks 12.1 GB, 10.5 GB with the threshold
+        fixed at 1 MiB from the start (``MALLOC_MMAP_THRESHOLD_``). A partitioned run (`HostStore.owned` set:
+        `StreamHandle` with ``unit_owners``) therefore fixes it, which also turns the dynamic adjustment off, and so
+        does `lazytrain_hf.from_pretrained` under a launcher of several ranks (``WORLD_SIZE`` > 1) before it builds
+        the model: fixed only at the store build it comes too late, after building the model left a 1.6 GB free
+        heap region that the steps then touch (measured: 12.8 GB summed). A one-process run keeps glibc's
+        behaviour (measured: its heap in use at its peak, no waste). The setting stays for the process. Test:
+        tests/test_given_back.py (``test_a_rank_maps_its_large_blocks``).
+    """
+    if os.environ.get("MALLOC_MMAP_THRESHOLD_") or "mmap_threshold" in os.environ.get("GLIBC_TUNABLES", ""):
+        return False
+    libc = _libc()
+    if libc is None or not hasattr(libc, "mallopt"):
+        return False
+    return bool(libc.mallopt(ctypes.c_int(_M_MMAP_THRESHOLD), ctypes.c_int(int(nbytes))))
 
 
 class PinnedArena:
@@ -438,6 +513,8 @@ class HostStore:
                 elif target is not None:
                     e.param.data = target
                 del src
+        loaded.clear()
+        trim_heap()  # Note: [Freed host memory goes back to the OS after each layer is built]
         self.layers[index] = ls
         if self.node_copy is not None:
             self.shared_compute[index] = compute_bytes
