@@ -292,7 +292,8 @@ def stage_model_peak(plan: Plan, cm: costmodel.CostModel) -> int:
     """Device bytes of saved activations at the worst stage under the planner's stage model for block checkpointing
     (`lazytrain_hf.planner.milp.evaluate_plan`, ``K > 1``): the checkpoint of block ``[j, j + K)`` lives from ``F j``
     to ``B j``; every layer ``k`` of the block holds its ``keep`` bytes from the block's recomputation at ``B`` of its
-    top layer until ``B k``."""
+    top layer until ``B k`` (``block_graphs="block"``), or its input from then until ``B k`` (above ``j``) and its
+    ``keep`` bytes during ``B k`` only (``"layer"``)."""
     n, K = plan.num_layers, plan.checkpoint_every
     S = 2 * n + 1
     mem = [0] * S
@@ -304,15 +305,23 @@ def stage_model_peak(plan: Plan, cm: costmodel.CostModel) -> int:
     for b in blocks(n, K):
         alive(b[0], 2 * n - b[0], cm.layers[b[0]].input_bytes)
         for k in b:
-            alive(2 * n - b[-1], 2 * n - k, cm.layers[k].saved_bytes)
+            if plan.block_graphs == "block":
+                alive(2 * n - b[-1], 2 * n - k, cm.layers[k].saved_bytes)
+                continue
+            if k > b[0]:
+                alive(2 * n - b[-1], 2 * n - k, cm.layers[k].input_bytes)
+            alive(2 * n - k, 2 * n - k, cm.layers[k].saved_bytes)
     return max(mem)
 
 
+@pytest.mark.parametrize("graphs", ["layer", "block"])
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_megatrain_plan_gpu_peak(model_type):
-    """The `megatrain` baseline (K=4) run by the executor: the measured gpu-tier peak of saved activations equals an
-    independent count exactly (block inputs between forward and backward; at the recomputation of block b, the inputs
-    of the blocks below plus everything block b's layers save) and the planner's stage model within 10%."""
+def test_megatrain_plan_gpu_peak(model_type, graphs):
+    """The `megatrain` baseline (K=4; ``block_graphs="layer"``, and the same plan in ``"block"`` mode) run by the
+    executor: the measured gpu-tier peak of saved activations equals an independent count exactly (block inputs
+    between forward and backward; in block b's backward, the inputs of the blocks below plus, in ``"block"`` mode,
+    everything block b's layers save, in ``"layer"`` mode block b's input, the kept inputs of its layers up to k and
+    what layer k saves) and the planner's stage model within 10%."""
     n, Bm, Tm = 6, 2, 16
     model = tiny_model(model_type, num_hidden_layers=n).train()
     ids = torch.randint(0, 128, (Bm, Tm), generator=torch.Generator().manual_seed(0))
@@ -320,13 +329,17 @@ def test_megatrain_plan_gpu_peak(model_type):
     cm = costmodel.CostModel.from_config(cfg, "cpu", seq_len=Tm, micro_batch_size=Bm, dtype_bytes=4,
                                          attn_implementation=cfg._attn_implementation)  # fmt: skip
     plan = baselines.make_baseline("megatrain", cm)
-    assert plan.checkpoint_every == 4 and plan.source == "baseline:megatrain"
+    assert plan.checkpoint_every == 4 and plan.source == "baseline:megatrain" and plan.block_graphs == "layer"
+    plan.block_graphs = graphs
 
     keep = independent_saved_bytes(model, ids)  # per layer, plain autograd
     x = Bm * Tm * cfg.hidden_size * 4
     exact = len(blocks(n, 4)) * x  # end of forward: the block inputs only
     for j, b in enumerate(blocks(n, 4)):
-        exact = max(exact, j * x + sum(keep[k] for k in b))
+        if graphs == "block":
+            exact = max(exact, j * x + sum(keep[k] for k in b))
+        else:  # what layer k saves includes its input (its kept one; block b's input for k = b[0])
+            exact = max(exact, *(j * x + (k - b[0]) * x + keep[k] for k in b))
 
     handle = attach(model, plan=plan, device="cpu")
     torch.manual_seed(7)
@@ -347,18 +360,18 @@ def test_lazy_trainer_megatrain_runs_block_recompute(tmp_path, monkeypatch):
     `test_trainer_lazy.test_streamed_training_matches_unstreamed[megatrain-None]`)."""
     from trainer_fixtures import make_trainer
 
-    seen: list[list[int]] = []
-    orig = Recomputer._recompute_block_for
+    seen: list[int] = []
+    orig = Recomputer._run_nograd
 
-    def spy(self, block, gid):
-        seen.append(block.layers)
-        return orig(self, block, gid)
+    def spy(self, frame, x):
+        seen.append(frame.layer)
+        return orig(self, frame, x)
 
-    monkeypatch.setattr(Recomputer, "_recompute_block_for", spy)
+    monkeypatch.setattr(Recomputer, "_run_nograd", spy)
     tr = make_trainer(tmp_path, max_steps=1, planner_policy="megatrain", planner_warmup_steps=0)
     tr.train()
-    assert tr.lazy_plan.checkpoint_every == 4
-    assert seen == [[0, 1, 2, 3]]
+    assert tr.lazy_plan.checkpoint_every == 4 and tr.lazy_plan.block_graphs == "layer"
+    assert seen == [0, 1, 2]
 
 
 # ---------------------------------------------------------------------------------------------------------- layer mode

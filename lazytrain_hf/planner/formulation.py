@@ -28,8 +28,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import SLOT_ALIGN, copies_inline, grads_leave_next_stage, held_grad_bytes, pool_slots
-from .plan import Plan
+from .memmodel import (
+    SLOT_ALIGN,
+    block_recompute_terms,
+    copies_inline,
+    grads_leave_next_stage,
+    held_grad_bytes,
+    pool_slots,
+)
+from .plan import BLOCK_GRAPHS, Plan
 from .stages import (
     OPTIONS,
     evaluate_plan,
@@ -60,7 +67,7 @@ class _Model:
     yR: list[dict[tuple[str, int], Any]]
     T: list[Any]
     T_tail: Any
-    blk: dict[int, Any]  # block size K -> binary (block checkpointing every K layers)
+    blk: dict[tuple[int, str], Any]  # (K, Plan.block_graphs) -> binary (block checkpointing every K layers)
     pool: dict[str, Any]  # layer kind -> GiB of its slot pool (continuous)
     many: dict[str, Any]  # layer kind -> binary: at least two of its layers stream
 
@@ -136,9 +143,13 @@ def build_milp(
                 if not fixed_slotting or a == min(1, max(reload_aheads(L, i, o, lookahead)))
             }
         )
-    # blk[K] = 1: block checkpointing every K layers (Plan.checkpoint_every = K), in place of every opt[i][o]; only
-    # when the device tier is allowed (the block checkpoints live there)
-    blk = {K: _var(prob, f"blk_{K}") for K in block_sizes(L, allowed)}
+    # blk[K, g] = 1: block checkpointing every K layers (Plan.checkpoint_every = K) recomputed as block_graphs = g,
+    # in place of every opt[i][o]; only when the device tier is allowed (the block checkpoints live there)
+    blk = {
+        (K, g): _var(prob, f"blk_{K}" if g == "block" else f"blk_{g}_{K}")
+        for K in block_sizes(L, allowed)
+        for g in BLOCK_GRAPHS
+    }
     T = [_var(prob, f"T_{s}", "Continuous") for s in range(S)]  # T[s]: duration of stage s (seconds)
     T_tail = _var(prob, "T_tail", "Continuous")  # end of B_0 -> start of the next F_0 (seconds)
     kinds = sorted({lc.kind for lc in cm.layers})
@@ -260,20 +271,16 @@ def build_milp(
                 const_mem[sB + 1] += lc.grad_bytes
         elif late_grads:
             const_mem[S] += lc.grad_bytes
-    # block checkpointing (the same terms `evaluate_plan` takes for checkpoint_every = K)
-    for K, z in blk.items():
-        for j in range(0, L, K):
-            block = list(range(j, min(j + K, L)))
-            s_rec = 2 * L - block[-1]  # the top layer's backward stage recomputes the block
-            for s in range(j, 2 * L - j + 1):
-                mem[s].append((cm.layers[j].input_bytes, z))  # the block checkpoint
-            comp[s_rec].append((sum(cm.layers[k].fwd_s for k in block), z))
-            h2d[s_rec].append((sum(cm.layers[k].weight_bytes for k in block), z))
-            od[s_rec].append((cm.layers[j].weight_bytes, z))  # the first recompute fetch has nothing to hide behind
-            # the recompute double buffer: the pool's extra slots ([Constraint] slot pools)
-            for k in block:
-                for s in range(s_rec, 2 * L - k + 1):
-                    mem[s].append((cm.layers[k].saved_bytes, z))  # recomputed, alive until B_k
+    # block checkpointing (the terms `evaluate_plan` takes for checkpoint_every = K, memmodel.block_recompute_terms);
+    # the recompute double buffer: the pool's extra slots ([Constraint] slot pools)
+    for (K, g), z in blk.items():
+        terms = block_recompute_terms(cm, K, g == "layer")
+        for lo, hi, nbytes in terms["alive"]:
+            for s in range(lo, hi + 1):
+                mem[s].append((nbytes, z))
+        for name, rows in (("comp", comp), ("h2d", h2d), ("od", od)):
+            for s, v in terms[name]:
+                rows[s].append((v, z))
     const_comp[L] += cm.head_s
     const_mem[L] += cm.head_ws_bytes
     # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
@@ -360,13 +367,14 @@ def build_milp(
             prob += pool[k] >= min(cap, a + 1) * wk / GIB * y, f"pool_depth_{n}_{m}"
         # block checkpointing: extra slots, one more when no backward fetch of the kind is issued ahead
         ahead_b = pulp.lpSum(y for i in members for a, y in yB[i].items() if a >= 1)
-        for K, z in blk.items():
-            prob += pool[k] >= min(cap, pool_slots(K, 1, 1)) * wk / GIB * z, f"pool_block_{n}_{K}"
-            prob += pool[k] >= min(cap, pool_slots(K, 1, 0)) * wk / GIB * (z - ahead_b), f"pool_block_b0_{n}_{K}"
+        for (K, g), z in blk.items():
+            tag = f"{K}" if g == "block" else f"{g}_{K}"
+            prob += pool[k] >= min(cap, pool_slots(K, 1, 1)) * wk / GIB * z, f"pool_block_{n}_{tag}"
+            prob += pool[k] >= min(cap, pool_slots(K, 1, 0)) * wk / GIB * (z - ahead_b), f"pool_block_b0_{n}_{tag}"
             for m, (a, y) in enumerate(deep):
                 prob += (
                     pool[k] >= min(cap, pool_slots(K, a, 0)) * wk / GIB * (z + y - 1),
-                    f"pool_block_depth_{n}_{K}_{m}",
+                    f"pool_block_depth_{n}_{tag}_{m}",
                 )
 
     # ------------------------------------------------------------------ [Constraint] memory
@@ -411,7 +419,7 @@ def _value(v: Any) -> float:
 def extract_plan(model: _Model, cm: CostModel, source: str) -> Plan:
     """The solved model's decisions as a `Plan` (``source`` its `Plan.source`)."""
     L = cm.num_layers
-    K = next((k for k, z in model.blk.items() if _value(z) > 0.5), 1)
+    K, graphs = next((key for key, z in model.blk.items() if _value(z) > 0.5), (1, "block"))
     options, resident, ff, fb, rl = [], [], [], [], []
     for i in range(L):
         o = "rec_gpu" if K > 1 else max(model.opt[i], key=lambda k: _value(model.opt[i][k]))
@@ -421,7 +429,9 @@ def extract_plan(model: _Model, cm: CostModel, source: str) -> Plan:
         fb.append(max(model.yB[i], key=lambda a: _value(model.yB[i][a])) if not resident[-1] else 1)
         cand = {a: _value(v) for (oo, a), v in model.yR[i].items() if oo == o}
         rl.append(max(cand, key=cand.get) if cand else 1)
-    return plan_from_options(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K)
+    return plan_from_options(
+        cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K, block_graphs=graphs
+    )
 
 
 def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None = None) -> bool:
@@ -435,9 +445,9 @@ def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | No
     """
     L = len(model.opt)
     K = plan.checkpoint_every
-    if K > 1 and K not in model.blk:
+    if K > 1 and (K, plan.block_graphs) not in model.blk:
         return False
-    values: list[tuple[Any, float]] = [(z, 1.0 if k == K else 0.0) for k, z in model.blk.items()]
+    values: list[tuple[Any, float]] = [(z, 1.0 if k == (K, plan.block_graphs) else 0.0) for k, z in model.blk.items()]
     for i in range(L):
         lp = plan.layers[i]
         o = option_of(lp)
