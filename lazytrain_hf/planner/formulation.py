@@ -429,9 +429,7 @@ def extract_plan(model: _Model, cm: CostModel, source: str) -> Plan:
         fb.append(max(model.yB[i], key=lambda a: _value(model.yB[i][a])) if not resident[-1] else 1)
         cand = {a: _value(v) for (oo, a), v in model.yR[i].items() if oo == o}
         rl.append(max(cand, key=cand.get) if cand else 1)
-    return plan_from_options(
-        cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K, block_graphs=graphs
-    )
+    return plan_from_options(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K, block_graphs=graphs)
 
 
 def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None = None) -> bool:
