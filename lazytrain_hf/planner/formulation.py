@@ -6,19 +6,25 @@ Owns: `build_milp` (one commented variable block, one `# [Constraint]` block per
 per-stage loads are written as the same sums `stages.evaluate_plan` takes for a fixed plan, so the optimum's
 objective is that plan's evaluated step time.
 
-The plan space holds block checkpointing too (`Plan.checkpoint_every = K > 1`, MegaTrain's scheme as our executor
-runs it: the input of every K-th layer kept on the device, each block recomputed as a whole, with grad, at its top
-layer's backward stage): one binary ``blk[K]`` per block size in `BLOCK_SIZES`, which replaces every layer's
-per-layer option. So each baseline's plan (`baselines.make_baseline`) is a point of the model (`set_warm_start` sets
-it, stage times included, from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports
-pulp only inside its functions and never torch, and does not know the runtime.
+The plan space holds block checkpointing too (`Plan.checkpoint_every = K > 1`: the input of every K-th layer kept on
+the device, each block recomputed from it at its top layer's backward stage), in both of the executor's modes
+(`Plan.block_graphs`): ``"block"`` (the block recomputed once, with grad) and ``"layer"`` (MegaTrain's scheme: a
+``no_grad`` pass keeping the block's hidden states, then one layer recomputed with grad per backward stage). One
+binary ``blk[K, mode]`` per block size in `BLOCK_SIZES` and mode replaces every layer's per-layer option. So each
+baseline's plan (`baselines.make_baseline`) is a point of the model (`set_warm_start` sets it, stage times included,
+from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports pulp only inside its
+functions and never torch, and does not know the runtime.
 
 Note: [Block checkpointing as our executor runs it saves memory only when L / K > A / x]
-Our executor holds the saved tensors of all K layers of a block from its recomputation to their backward (MegaTrain
-holds one layer's graph and K hidden states, recomputing each layer a third time). Against recomputing every layer
-from its own input it saves ``(L - L/K) x`` of inputs and adds ``(K - 1) A``; with ``A / x`` between 21 and 48 for the
-zoo models (`LayerCost.saved_bytes / input_bytes`) the option is the least-memory plan almost nowhere, and never the
-fastest: it is in the model so that every baseline is a point of it.
+In ``"block"`` mode the executor holds the saved tensors of all K layers of a block from its recomputation to their
+backward. Against recomputing every layer from its own input it saves ``(L - L/K) x`` of inputs and adds
+``(K - 1) A``; with ``A / x`` between 21 and 48 for the zoo models (`LayerCost.saved_bytes / input_bytes`) that is
+a saving only at large L and small K. In ``"layer"`` mode a block holds K - 1 hidden states and one layer's graph
+(``(K - 1) x + A`` beyond its checkpoint, `memmodel.block_recompute_terms`), always less than ``"block"`` at the
+same K and than per-layer recomputation from the device (``L x + A``) once K < L, so it is the least-memory plan of
+the device tier; it pays a third forward (and weight fetch) of each block layer below the top. Neither mode dominates
+the other: ``"block"`` runs one forward less per layer and sits between per-layer recomputation and ``"layer"`` in
+memory, so the MILP offers both and the budget decides.
 """
 
 from __future__ import annotations

@@ -10,7 +10,9 @@ what it depends on has finished:
 - a forward fetch of layer ``i`` waits for the previous step's update of layer ``i`` (Note: [Update before fetch]
   in training/updater.py), the first forward for the update of the parameters that are not streamed;
 - a layer's compute waits for its weights (the fetch issued for that stage, or the one it kept bound), its
-  reloads and, for a block's top layer, the block's recomputation fetches; offloads (D2H, then the NVMe write) start
+  reloads and, for a block's top layer, the block's recomputation fetches (and forwards, `memmodel.
+  block_recompute_terms`: with ``block_graphs="layer"`` the lower layers' ``no_grad`` pass, each layer's own
+  forward again at its backward); offloads (D2H, then the NVMe write) start
   when the forward that produced them ends, gradients when the backward ends; a reload waits for its offload
   (and NVMe read); ``F_i`` waits for the offload of ``F_{i-2}`` and ``B_i`` for the gradients of ``B_{i+2}``
   (Note: [Two stages of copies in flight] in streaming/engine.py);
