@@ -2,8 +2,10 @@
 
 Only the input of layers 0, K, 2K, ... is saved (on the device); the other layers of a block save nothing. When the
 backward reaches the block's top layer the whole block is recomputed layer by layer from that input, each layer with
-its weights fetched and bound for the recomputation. On CPU only data moves, so losses and gradients must equal plain
-autograd bit for bit (`torch.equal`), dropout included.
+its weights fetched and bound for the recomputation (``block_graphs="block"``); or (``block_graphs="layer"``,
+MegaTrain's executor) the layers below the top are run under ``no_grad`` keeping each one's output, and each layer's
+backward recomputes that one layer with grad from its kept input. On CPU only data moves, so losses and gradients
+must equal plain autograd bit for bit (`torch.equal`), dropout included.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ def batch(seed: int = 1) -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "labels": ids}
 
 
-def block_plan(model, K: int) -> Plan:
+def block_plan(model, K: int, block_graphs: str = "block") -> Plan:
     kinds = models.layer_kinds(model)
     plan = Plan.default(len(kinds), kinds=kinds)
     for lp in plan.layers:
         lp.policy = "recompute"
     plan.checkpoint_every = K
+    plan.block_graphs = block_graphs
     return plan.validate()
 
 
@@ -289,7 +292,8 @@ def stage_model_peak(plan: Plan, cm: costmodel.CostModel) -> int:
     """Device bytes of saved activations at the worst stage under the planner's stage model for block checkpointing
     (`lazytrain_hf.planner.milp.evaluate_plan`, ``K > 1``): the checkpoint of block ``[j, j + K)`` lives from ``F j``
     to ``B j``; every layer ``k`` of the block holds its ``keep`` bytes from the block's recomputation at ``B`` of its
-    top layer until ``B k``."""
+    top layer until ``B k`` (``block_graphs="block"``), or its input from then until ``B k`` (above ``j``) and its
+    ``keep`` bytes during ``B k`` only (``"layer"``)."""
     n, K = plan.num_layers, plan.checkpoint_every
     S = 2 * n + 1
     mem = [0] * S
@@ -301,15 +305,23 @@ def stage_model_peak(plan: Plan, cm: costmodel.CostModel) -> int:
     for b in blocks(n, K):
         alive(b[0], 2 * n - b[0], cm.layers[b[0]].input_bytes)
         for k in b:
-            alive(2 * n - b[-1], 2 * n - k, cm.layers[k].saved_bytes)
+            if plan.block_graphs == "block":
+                alive(2 * n - b[-1], 2 * n - k, cm.layers[k].saved_bytes)
+                continue
+            if k > b[0]:
+                alive(2 * n - b[-1], 2 * n - k, cm.layers[k].input_bytes)
+            alive(2 * n - k, 2 * n - k, cm.layers[k].saved_bytes)
     return max(mem)
 
 
+@pytest.mark.parametrize("graphs", ["layer", "block"])
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe"])
-def test_megatrain_plan_gpu_peak(model_type):
-    """The `megatrain` baseline (K=4) run by the executor: the measured gpu-tier peak of saved activations equals an
-    independent count exactly (block inputs between forward and backward; at the recomputation of block b, the inputs
-    of the blocks below plus everything block b's layers save) and the planner's stage model within 10%."""
+def test_megatrain_plan_gpu_peak(model_type, graphs):
+    """The `megatrain` baseline (K=4; ``block_graphs="layer"``, and the same plan in ``"block"`` mode) run by the
+    executor: the measured gpu-tier peak of saved activations equals an independent count exactly (block inputs
+    between forward and backward; in block b's backward, the inputs of the blocks below plus, in ``"block"`` mode,
+    everything block b's layers save, in ``"layer"`` mode block b's input, the kept inputs of its layers up to k and
+    what layer k saves) and the planner's stage model within 10%."""
     n, Bm, Tm = 6, 2, 16
     model = tiny_model(model_type, num_hidden_layers=n).train()
     ids = torch.randint(0, 128, (Bm, Tm), generator=torch.Generator().manual_seed(0))
@@ -317,13 +329,17 @@ def test_megatrain_plan_gpu_peak(model_type):
     cm = costmodel.CostModel.from_config(cfg, "cpu", seq_len=Tm, micro_batch_size=Bm, dtype_bytes=4,
                                          attn_implementation=cfg._attn_implementation)  # fmt: skip
     plan = baselines.make_baseline("megatrain", cm)
-    assert plan.checkpoint_every == 4 and plan.source == "baseline:megatrain"
+    assert plan.checkpoint_every == 4 and plan.source == "baseline:megatrain" and plan.block_graphs == "layer"
+    plan.block_graphs = graphs
 
     keep = independent_saved_bytes(model, ids)  # per layer, plain autograd
     x = Bm * Tm * cfg.hidden_size * 4
     exact = len(blocks(n, 4)) * x  # end of forward: the block inputs only
     for j, b in enumerate(blocks(n, 4)):
-        exact = max(exact, j * x + sum(keep[k] for k in b))
+        if graphs == "block":
+            exact = max(exact, j * x + sum(keep[k] for k in b))
+        else:  # what layer k saves includes its input (its kept one; block b's input for k = b[0])
+            exact = max(exact, *(j * x + (k - b[0]) * x + keep[k] for k in b))
 
     handle = attach(model, plan=plan, device="cpu")
     torch.manual_seed(7)
@@ -344,15 +360,165 @@ def test_lazy_trainer_megatrain_runs_block_recompute(tmp_path, monkeypatch):
     `test_trainer_lazy.test_streamed_training_matches_unstreamed[megatrain-None]`)."""
     from trainer_fixtures import make_trainer
 
-    seen: list[list[int]] = []
-    orig = Recomputer._recompute_block_for
+    seen: list[int] = []
+    orig = Recomputer._run_nograd
 
-    def spy(self, block, gid):
-        seen.append(block.layers)
-        return orig(self, block, gid)
+    def spy(self, frame, x):
+        seen.append(frame.layer)
+        return orig(self, frame, x)
 
-    monkeypatch.setattr(Recomputer, "_recompute_block_for", spy)
+    monkeypatch.setattr(Recomputer, "_run_nograd", spy)
     tr = make_trainer(tmp_path, max_steps=1, planner_policy="megatrain", planner_warmup_steps=0)
     tr.train()
-    assert tr.lazy_plan.checkpoint_every == 4
-    assert seen == [[0, 1, 2, 3]]
+    assert tr.lazy_plan.checkpoint_every == 4 and tr.lazy_plan.block_graphs == "layer"
+    assert seen == [0, 1, 2]
+
+
+# ---------------------------------------------------------------------------------------------------------- layer mode
+def instrument_layer(engine: ActivationEngine) -> tuple[list[tuple], list[tuple]]:
+    """Log the ``no_grad`` forwards ``(layer, begin_backward layer or None)`` and the with-grad recomputations
+    ``(layer, kept inputs of the block then, device bytes of recorded tensors then)`` of ``block_graphs="layer"``."""
+    nograd: list[tuple] = []
+    withgrad: list[tuple] = []
+    rec = engine._recompute
+    current: list[int | None] = [None]
+    orig_bb, orig_ng, orig_rf = engine.begin_backward, rec._run_nograd, rec._run_forward
+
+    def begin_backward(layer: int) -> None:
+        current[0] = layer
+        try:
+            orig_bb(layer)
+        finally:
+            current[0] = None
+
+    def run_nograd(frame, x):
+        nograd.append((frame.layer, current[0]))
+        return orig_ng(frame, x)
+
+    def run_forward(frame, x, count, weight_refs=False):
+        kept = sorted(f.layer for f in frame.block.frames if f.input is not None) if frame.block else None
+        withgrad.append((frame.layer, kept, count))
+        return orig_rf(frame, x, count, weight_refs)
+
+    engine.begin_backward = begin_backward
+    rec._run_nograd = run_nograd
+    rec._run_forward = run_forward
+    return nograd, withgrad
+
+
+@pytest.mark.parametrize("K", [2, 3, 4])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_moe", "qwen3_next"])
+def test_streamed_layer_graphs_bit_exact(model_type, K):
+    """``block_graphs="layer"`` on the streaming executor: losses and gradients equal plain autograd bit for bit;
+    each block's layers below the top run once under ``no_grad`` from its top layer's backward stage, each layer is
+    recomputed once with grad from its kept input; weights are fetched as often as in ``"block"`` mode."""
+    ref_loss, ref_g = reference(model_type)
+    model = tiny_model(model_type, num_hidden_layers=L, attention_dropout=dropout_of(model_type)).train()
+    handle = attach(model, plan=block_plan(model, K, "layer"), device="cpu")
+    stress_slots(handle)
+    engine = handle.activations
+    nograd, withgrad = instrument_layer(engine)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        torch.manual_seed(5)
+        loss = model(**batch()).loss
+        saved = engine.layer_bytes()
+        loss.backward()
+    assert torch.equal(loss.detach(), ref_loss)
+    assert_grads_equal(ref_g, handle.grads())
+
+    expected = blocks(L, K)
+    x_bytes = B * T * model.config.hidden_size * 4
+    assert sorted(saved) == [b[0] for b in expected]  # the forward is the same as in "block" mode
+    assert nograd == [(k, b[-1]) for b in reversed(expected) for k in b[:-1]]
+    # layer k recomputed with grad at its backward: the inputs of the block layers k' <= k above the first are kept
+    # (those above k were released by their backward)
+    assert withgrad == [(k, [j for j in b[1:] if j <= k], True) for b in reversed(expected) for k in reversed(b)]
+    assert handle.engine.fetch_count == 2 * L - 1 + sum(max(0, len(b) - 2) for b in expected)
+    assert handle.engine.grown == {}
+    after = handle.memory_stats()
+    assert after["activation_gpu_bytes"] == after["activation_cpu_bytes"] == 0
+    assert engine.memory_stats()["gpu_peak_bytes"] >= x_bytes
+    handle.remove()
+
+
+def test_standalone_layer_graphs_retain_graph_and_no_pre_hook():
+    """The engine on an ordinary model under ``block_graphs="layer"``: a second backward over the retained graph
+    reuses the kept inputs (no second ``no_grad`` pass) and recomputes each layer again; without `begin_backward`
+    the first unpack of a layer runs the ``no_grad`` pass up to it. Both bit-exact."""
+    ref = tiny_model("qwen3", num_hidden_layers=L, attention_dropout=0.3).train()
+    torch.manual_seed(5)
+    ref_loss = ref(**batch()).loss
+    ref_loss.backward(retain_graph=True)
+    ref_loss.backward()
+    ref_g = plain_grads(ref)
+
+    model = tiny_model("qwen3", num_hidden_layers=L, attention_dropout=0.3).train()
+    engine = ActivationEngine(block_plan(model, 3, "layer"), "cpu")
+    handle = attach_standalone(model, engine)
+    nograd, withgrad = instrument_layer(engine)
+    with engine.step():
+        torch.manual_seed(5)
+        loss = model(**batch()).loss
+        loss.backward(retain_graph=True)
+        loss.backward()
+        del loss
+    assert_grads_equal(ref_g, plain_grads(model))
+    assert nograd == [(3, 4), (0, 2), (1, 2)]
+    assert [k for k, _, _ in withgrad] == [4, 3, 2, 1, 0] * 2
+    assert engine.memory_stats()["gpu_bytes"] == 0
+    handle.remove()
+    engine.close()
+
+    ref_loss, ref_g = reference("qwen3")
+    model = tiny_model("qwen3", num_hidden_layers=L, attention_dropout=0.3).train()
+    engine = ActivationEngine(block_plan(model, 2, "layer"), "cpu")
+    handle = attach_standalone(model, engine)
+    nograd, withgrad = instrument_layer(engine)
+    engine.begin_backward = lambda layer: None
+    with engine.step():
+        torch.manual_seed(5)
+        loss = model(**batch()).loss
+        loss.backward()
+    assert torch.equal(loss.detach(), ref_loss)
+    assert_grads_equal(ref_g, plain_grads(model))
+    assert nograd == [(2, None), (0, None)]
+    handle.remove()
+    engine.close()
+
+
+def test_unpack_outside_backward_keeps_nothing_layer_graphs():
+    """Reading a saved tensor of a block layer outside backward under ``block_graphs="layer"`` runs the ``no_grad``
+    pass up to it and recomputes that layer, keeping nothing; the backward afterwards is exact."""
+    ref_loss, ref_g = reference("qwen3_moe")
+    model = tiny_model("qwen3_moe", num_hidden_layers=L).train()
+    engine = ActivationEngine(block_plan(model, 4, "layer"), "cpu")
+    handle = attach_standalone(model, engine)
+    outs = {}
+    hook = model.model.layers[2].register_forward_hook(lambda m, a, o: outs.setdefault("h", o))
+    with engine.step():
+        torch.manual_seed(5)
+        loss = model(**batch()).loss
+        held = engine.memory_stats()["gpu_bytes"]
+        read = None
+        stack, seen = [outs["h"].grad_fn], set()
+        while stack and read is None:
+            fn = stack.pop()
+            if fn is None or fn in seen:
+                continue
+            seen.add(fn)
+            for name in ("_saved_self", "_saved_other", "_saved_result"):
+                val = getattr(fn, name, None)
+                if isinstance(val, torch.Tensor):
+                    read = val
+                    break
+            stack.extend(n for n, _ in fn.next_functions)
+        assert read is not None
+        assert engine.memory_stats()["gpu_bytes"] == held
+        assert all(f.input is None for f in engine._recompute._block_of[2]().frames[1:])
+        loss.backward()
+    hook.remove()
+    assert torch.equal(loss.detach(), ref_loss)
+    assert_grads_equal(ref_g, plain_grads(model))
+    handle.remove()
+    engine.close()

@@ -171,6 +171,7 @@ def _plan(cfg, name: str, B: int):
     policy |= {"rec_cpu": ("recompute", "cpu"), "block2": ("recompute", "gpu"), "ahead2": ("keep", "gpu")}
     policy |= {"resident": ("keep", "gpu"), "chunk64": ("keep", "gpu")}
     policy |= {"stream_emb": ("keep", "gpu"), "stream_emb_tied": ("offload_cpu", "gpu")}
+    policy |= {"block2_layer": ("recompute", "gpu"), "block3_layer": ("recompute", "gpu")}  # block_graphs="layer"
     layers = []
     for i, k in enumerate(kinds):
         if name == "mixed":  # keep, offload, recompute from the host and the device; layer 1 resident
@@ -193,7 +194,8 @@ def _plan(cfg, name: str, B: int):
         micro_batch_size=B,
         seq_len=T_SWEEP,
         loss_chunk_tokens=64 if name == "chunk64" else CHUNK,
-        checkpoint_every=2 if name == "block2" else 1,
+        checkpoint_every={"block2": 2, "block2_layer": 2, "block3_layer": 3}.get(name, 1),
+        block_graphs="layer" if name.endswith("_layer") else "block",
         stream_embeddings=name.startswith("stream_emb"),
     )
 
@@ -229,9 +231,9 @@ def _predicted_and_measured(kind: str, plan_name: str, B: int, vocab: int = 2048
 # the default run: a few points (~10 s each on 2 cores); every kind at every plan below is `slow` (MoE and the torch
 # gated delta rule take ~30 s a point)
 FAST = [("dense", "mixed", 1), ("dense", "mixed", 4), ("dense_bias", "keep", 4), ("eager", "mixed", 1)]
-FAST += [("dense", "stream_emb_tied", 1)]
+FAST += [("dense", "stream_emb_tied", 1), ("dense", "block3_layer", 4)]
 PLANS = ("keep", "mixed", "offload_cpu", "rec_gpu", "rec_cpu", "block2", "ahead2", "resident", "chunk64", "stream_emb")
-PLANS += ("stream_emb_tied",)
+PLANS += ("stream_emb_tied", "block2_layer", "block3_layer")
 SLOW = [(k, p, B) for k in KINDS for p in PLANS for B in (1, 4) if (k, p, B) not in FAST]
 
 

@@ -12,7 +12,7 @@ from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments, models
 from lazytrain_hf.planner import hardware, milp
-from lazytrain_hf.planner.plan import LayerPlan, Plan
+from lazytrain_hf.planner.plan import LayerPlan, Plan, PlanError
 from lazytrain_hf.streaming import hooks
 from lazytrain_hf.training import planning
 
@@ -183,6 +183,21 @@ def test_bad_plan_file_is_refused_at_construction(tmp_path, content, pattern):
 def test_source_file_round_trip():
     plan = Plan.from_json(json.dumps({"layers": [{"index": 0}], "source": "file"}))
     assert plan.source == "file" and Plan.from_json(plan.to_json()).to_dict() == plan.to_dict()
+
+
+def test_block_graphs_field(tmp_path):
+    """`Plan.block_graphs`: a plan file written before the field loads as ``"block"``; ``"layer"`` is saved and
+    loaded; any other value is refused naming the field, the value and the choices."""
+    old = {"layers": [{"index": i, "policy": "recompute"} for i in range(4)], "checkpoint_every": 2}
+    path = tmp_path / "old.json"
+    path.write_text(json.dumps(old))
+    plan = Plan.from_json(str(path))
+    assert plan.block_graphs == "block" and plan.checkpoint_every == 2 and not plan.layer_graphs
+    plan.block_graphs = "layer"
+    again = Plan.from_json(plan.to_json())
+    assert again.block_graphs == "layer" and again.layer_graphs and "block_graphs=layer" in again.table()
+    with pytest.raises(PlanError, match=r"block_graphs='layers' is not one of \('block', 'layer'\); write 'block'"):
+        Plan.from_json(json.dumps({**old, "block_graphs": "layers"}))
 
 
 def test_recipe_flag(tmp_path):

@@ -30,7 +30,7 @@ from trainer_fixtures import token_dataset
 from transformers import TrainerCallback
 
 from lazytrain_hf import LazyTrainer, LazyTrainingArguments, models
-from lazytrain_hf.planner.plan import INPUT_TIERS, POLICIES, LayerPlan, Plan
+from lazytrain_hf.planner.plan import BLOCK_GRAPHS, INPUT_TIERS, POLICIES, LayerPlan, Plan
 from lazytrain_hf.streams import SIMULATE_ENV
 
 FAMILIES = ["qwen2", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5_text", "qwen3_5_moe_text"]
@@ -226,6 +226,7 @@ def plans(draw, kinds: list[str]) -> Plan:
         loss_chunk_tokens=draw(st.sampled_from([7, 1024])),
         source="file",
         checkpoint_every=block,
+        block_graphs=draw(st.sampled_from(BLOCK_GRAPHS)) if block > 1 else "block",
         optimizer_overlap=draw(st.booleans()),
     )
 

@@ -92,6 +92,24 @@ def test_trace_bytes_equal_prediction_slow(case):
     check_trace(case)
 
 
+@pytest.mark.parametrize("graphs", ["block", "layer"])
+def test_trace_bytes_equal_prediction_under_block_checkpointing(graphs):
+    """Block checkpointing every 3 layers in both `Plan.block_graphs` modes, backward fetches one and two stages
+    ahead: the recomputation fetches (``"layer"``: for the ``no_grad`` pass) are the ones the schedule predicts."""
+    kinds = models.layer_kinds(tiny_model("qwen3"))
+    plan = Plan(
+        layers=[
+            LayerPlan(index=i, kind=k, policy="recompute", fetch_bwd_ahead=1 + i % 2) for i, k in enumerate(kinds)
+        ],
+        micro_batch_size=2,
+        seq_len=10,
+        checkpoint_every=3,
+        block_graphs=graphs,
+        source="file",
+    )
+    check_trace(("qwen3", plan, 2, torch.float32))
+
+
 def sync_plan(kinds: list[str], overlap: bool) -> Plan:
     """Keep, offload to the CPU, recompute from a CPU-held input and a resident layer: every moving part."""
     policies = ["keep", "offload_cpu", "recompute", "keep"]

@@ -21,7 +21,11 @@ backward goes through `torch.autograd.graph.saved_tensors_hooks` installed by th
   backward (`ActivationEngine.begin_backward` of its top layer, or the first unpack of any of its tensors) the whole
   block is recomputed layer by layer from that input, each layer with its own RNG / autocast state and keyword
   arguments, its weights bound for the recomputation by the executor (`RecomputeWeights`) and released afterwards;
-  every layer's recomputed tensors are served to its backward by index (See Note: [Block recomputation]).
+  every layer's recomputed tensors are served to its backward by index (See Note: [Block recomputation]). With
+  ``Plan.block_graphs == "layer"`` (MegaTrain's executor) that start instead runs the block's layers below the top
+  under ``no_grad``, keeping each output as the next layer's input on the device, and each layer's backward
+  recomputes that one layer with grad from its kept input (See Note: [A block's layers are recomputed one graph at
+  a time]).
 
 Weights are never offloaded: a streamed weight is handed to the executor's `ParamPacker` (a small reference is stored
 and the view is rebuilt on the layer's current device slot at unpack); without a packer, tensors whose storage is a

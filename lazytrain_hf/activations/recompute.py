@@ -14,6 +14,7 @@ import contextlib
 import threading
 import warnings
 import weakref
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -29,6 +30,11 @@ if TYPE_CHECKING:
 # Keyword arguments that must not be replayed by a recomputation: a KV cache would be extended a second time.
 # In training the cache HF creates is empty before the layer runs, so the layer computes the same tensors without it.
 _NO_REPLAY_KWARGS: dict[str, Any] = {"cache": None, "past_key_values": None, "layer_past": None, "use_cache": False}
+
+
+def _unpacked(_: Any) -> None:
+    """Unpack hook of a recomputation's recording hooks: what it records is served by `Recomputer.unpack_slot`."""
+    return None
 
 
 class RecomputeFrame:
@@ -255,9 +261,13 @@ class Recomputer:
                     f"the recomputation state of layer {frame.layer} was released by end_step() before backward "
                     "used it; call end_step() only after backward."
                 )
+            layer_mode = frame.block is not None and self.plan.block_graphs == "layer"
             if gid == -1:
                 # unpacked outside backward (e.g. reading grad_fn._saved_*): recompute and keep nothing
-                if frame.block is not None:
+                if layer_mode:
+                    x = self._block_layer_input(frame.block, frame, keep=False)
+                    tensors = self._run_forward(frame, x, False, weight_refs=True)[0]
+                elif frame.block is not None:
                     tensors = self._recompute_block(frame.block, count=False, upto=frame)[frame]
                 else:
                     tensors = self._recompute(frame, count=False)
@@ -268,7 +278,12 @@ class Recomputer:
             if gid not in frame.recomputed:
                 if gid in frame.done_gids:
                     raise RuntimeError(f"a saved tensor of recomputed layer {frame.layer} was unpacked twice.")
-                if frame.block is not None:
+                if layer_mode:
+                    # Note: [A block's layers are recomputed one graph at a time]
+                    x = self._block_layer_input(frame.block, frame, keep=True)
+                    frame.recomputed[gid] = self._run_forward(frame, x, True, weight_refs=True)[0]
+                    frame.done_gids.add(gid)
+                elif frame.block is not None:
                     self._recompute_block_for(frame.block, gid)
                 else:
                     frame.recomputed[gid] = self._recompute(frame, count=True)
@@ -302,8 +317,54 @@ class Recomputer:
         if block is None or gid == -1:
             return
         with block.lock:
-            if not block.released and gid not in block.done_gids:
+            if block.released:
+                return
+            if self.plan.block_graphs == "layer":
+                # once per backward, and not when a retained graph's backward still holds the kept inputs
+                if gid not in block.done_gids and block.frames[-1].input is None and len(block.frames) > 1:
+                    self._block_layer_input(block, block.frames[-1], keep=True)
+                block.done_gids.add(gid)
+            elif gid not in block.done_gids:
                 self._recompute_block_for(block, gid)
+
+    def _block_layer_input(self, block: BlockFrame, frame: RecomputeFrame, keep: bool) -> torch.Tensor:
+        """The input of ``frame``'s layer inside ``block`` under ``block_graphs="layer"`` (under ``block.lock``).
+
+        Note: [A block's layers are recomputed one graph at a time]
+        With ``Plan.block_graphs == "layer"`` (MegaTrain's executor) the first backward stage of a block (its top
+        layer, `begin_backward`) runs the block's layers below the top forward under ``no_grad`` from the block
+        input, each with its weights bound by the executor (`RecomputeWeights.recompute_weights`) and its own
+        captured RNG / autocast state, so each output is bit-identical to the forward's; with ``keep`` each output
+        is kept on the device as the next frame's input (``frame.input``, one holder, dropped when that frame is
+        released after its backward). Each layer's backward then recomputes only that layer with grad from its
+        kept input (`unpack_slot`), like a per-layer recomputation: one layer's saved tensors live at a time beside
+        at most K - 1 kept hidden states and the block input. The pass starts from the nearest frame below
+        ``frame`` whose input is at hand; without ``keep`` (an unpack outside backward) it keeps nothing.
+        """
+        frames = block.frames
+        n = frames.index(frame)
+        start = n
+        while start > 0 and frames[start].input is None:
+            start -= 1
+        src = block.input if start == 0 else frames[start].input
+        x = self.store.materialize(src)
+        for m in range(start, n):
+            prev = frames[m]
+            nxt = frames[m + 1].layer if m + 1 < n else None
+            bind = self.weights.recompute_weights(prev.layer, nxt) if self.weights else contextlib.nullcontext()
+            with bind:
+                y = self._run_nograd(prev, x)
+            if not isinstance(y, torch.Tensor):
+                raise RuntimeError(
+                    f"recomputing block {block.layers}: layer {prev.layer} returned {type(y).__name__}, not the "
+                    "hidden states; use checkpoint_every=1 for this model."
+                )
+            x = y.detach()
+            target = frames[m + 1]
+            if keep and target.input is None and not target.released:
+                target.input = self.store.keep(target.layer, x)
+                target.input.holders += 1  # held by the frame until it is released
+        return x
 
     def _recompute_block_for(self, block: BlockFrame, gid: int) -> None:
         """Recompute ``block`` for backward ``gid`` and hand every live frame its tensors (under ``block.lock``)."""
@@ -402,19 +463,10 @@ class Recomputer:
             out[i] = (t, key)
             return None
 
-        devices = [self.device] if self.device.type == "cuda" else []
         try:
-            with torch.random.fork_rng(devices=devices, enabled=True, device_type=self.device.type):
-                torch.set_rng_state(frame.cpu_rng)
-                if frame.dev_rng is not None:
-                    torch.cuda.set_rng_state(frame.dev_rng, self.device)
-                with contextlib.ExitStack() as stack:
-                    for device_type, kw in frame.autocast:
-                        stack.enter_context(torch.amp.autocast(device_type, **kw))
-                    stack.enter_context(torch.enable_grad())
-                    stack.enter_context(torch.autograd.graph.saved_tensors_hooks(pack, lambda _: None))
-                    # `module.forward`, not `module(...)`: the executor's hooks on this layer must not fire again
-                    result = module.forward(*args, **kwargs)
+            with self._replay(frame), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, _unpacked):
+                # `module.forward`, not `module(...)`: the executor's hooks on this layer must not fire again
+                result = module.forward(*args, **kwargs)
             if len(out) != len(expected):
                 raise RuntimeError(
                     f"recomputing layer {frame.layer} saved {len(out)} tensors, the original forward saved "
@@ -427,6 +479,31 @@ class Recomputer:
             raise
         hidden = result[0] if isinstance(result, tuple | list) and result else result
         return out, hidden
+
+    @contextlib.contextmanager
+    def _replay(self, frame: RecomputeFrame) -> Iterator[None]:
+        """The RNG (forked, so the training stream is untouched) and autocast state of ``frame``'s original call."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices, enabled=True, device_type=self.device.type):
+            torch.set_rng_state(frame.cpu_rng)
+            if frame.dev_rng is not None:
+                torch.cuda.set_rng_state(frame.dev_rng, self.device)
+            with contextlib.ExitStack() as stack:
+                for device_type, kw in frame.autocast:
+                    stack.enter_context(torch.amp.autocast(device_type, **kw))
+                yield
+
+    def _run_nograd(self, frame: RecomputeFrame, x: torch.Tensor) -> Any:
+        """``frame``'s layer forward on input ``x`` under ``no_grad`` with its RNG / autocast state; the hidden
+        states it returned (Note: [A block's layers are recomputed one graph at a time])."""
+        args, kwargs = frame.args, dict(frame.kwargs)
+        if frame.input_pos is None:
+            kwargs["hidden_states"] = x
+        else:
+            args = (x,) + args[1:]
+        with self._replay(frame), torch.no_grad():
+            result = frame.module.forward(*args, **kwargs)
+        return result[0] if isinstance(result, tuple | list) and result else result
 
     # ------------------------------------------------------------------ release
     def drop_slot(self, frame: RecomputeFrame) -> None:
@@ -446,7 +523,8 @@ class Recomputer:
                         self.acct.remove_storage(key)
             frame.recomputed.clear()
             if frame.input is not None:
-                self.store.drop_holder(frame.input)
+                entry, frame.input = frame.input, None
+                self.store.drop_holder(entry)
             block = frame.block
             if block is None:
                 frame.args, frame.kwargs = (), {}

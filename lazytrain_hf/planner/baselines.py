@@ -35,14 +35,17 @@ they isolate the activation policy; ``megatrain`` is the matched layer-streaming
 the stage model (`stages.evaluate_plan`); the ``megatrain`` plan's from `evaluate_megatrain`, plus ``"tflops_6n"``.
 
 Note: [What the megatrain plan means on our executor]
-`make_baseline("megatrain", cm)` returns a plan our executor can run (``checkpoint_every=K``, every layer
-``recompute`` with its input on the device, ``optimizer_overlap=False``), but our executor does not run it the way
-MegaTrain does, so its measured step differs from ``plan.predicted``:
+`make_baseline("megatrain", cm)` returns MegaTrain's scheme as our executor runs it (``checkpoint_every=K``,
+``block_graphs="layer"``, every layer ``recompute`` with its input on the device, ``optimizer_overlap=False``): at
+the top layer's backward stage the block's lower layers run under ``no_grad`` from the block checkpoint keeping their
+hidden states, then each layer's backward recomputes that one layer with grad, so like MegaTrain it holds K - 1
+hidden states and one layer's graph and runs 3 forwards of every block layer below the top. Its memory under the
+stage model is close to `evaluate_megatrain`'s (BENCHMARKS.md, "the MILP plan vs `megatrain`"); its measured step
+still differs from ``plan.predicted``:
 
-- our executor recomputes each block once *with* grad (2 forwards per layer, not 3) and holds every saved tensor of
-  the block's K layers during that block's backward (MegaTrain holds one layer's graph and K hidden states);
-- it fetches the weights of a recomputed block once more (block layers below the top two; MegaTrain fetches every
-  layer 3 times), with the prefetches the plan names in backward too;
+- the block's top layer is recomputed only once (its backward runs right after the no_grad pass; MegaTrain runs it
+  under no_grad too), and the weights of the layers below the top two are fetched once more for the no_grad pass
+  (MegaTrain fetches every layer 3 times), with the prefetches the plan names in backward too;
 - it keeps an fp32 master and fp32 gradient accumulators on the host (MegaTrain: bf16 model, bf16 gradients, no
   fp32 master), and its chunked loss runs each chunk's backward before the next chunk's logits exist (MegaTrain keeps
   every chunk's logits until the whole loss is summed);
@@ -383,6 +386,9 @@ def baseline_plan(name: str, cost_model: CostModel, *, checkpoint_every: int = M
         hardware=cm.hardware.name,
         model=cm.model_name,
         checkpoint_every=K if name == "megatrain" else 1,
+        # MegaTrain's backward: a no_grad pass over the block keeping its hidden states, then one layer's graph at a
+        # time (Note: [A block's layers are recomputed one graph at a time] in activations/recompute.py)
+        block_graphs="layer" if name == "megatrain" else "block",
         # MegaTrain and MegaTrain-Plus clip and step after backward with the device idle (examples/sft/train.py)
         optimizer_overlap=name not in ("megatrain", "megatrain_plus"),
     )

@@ -6,19 +6,25 @@ Owns: `build_milp` (one commented variable block, one `# [Constraint]` block per
 per-stage loads are written as the same sums `stages.evaluate_plan` takes for a fixed plan, so the optimum's
 objective is that plan's evaluated step time.
 
-The plan space holds block checkpointing too (`Plan.checkpoint_every = K > 1`, MegaTrain's scheme as our executor
-runs it: the input of every K-th layer kept on the device, each block recomputed as a whole, with grad, at its top
-layer's backward stage): one binary ``blk[K]`` per block size in `BLOCK_SIZES`, which replaces every layer's
-per-layer option. So each baseline's plan (`baselines.make_baseline`) is a point of the model (`set_warm_start` sets
-it, stage times included, from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports
-pulp only inside its functions and never torch, and does not know the runtime.
+The plan space holds block checkpointing too (`Plan.checkpoint_every = K > 1`: the input of every K-th layer kept on
+the device, each block recomputed from it at its top layer's backward stage), in both of the executor's modes
+(`Plan.block_graphs`): ``"block"`` (the block recomputed once, with grad) and ``"layer"`` (MegaTrain's scheme: a
+``no_grad`` pass keeping the block's hidden states, then one layer recomputed with grad per backward stage). One
+binary ``blk[K, mode]`` per block size in `BLOCK_SIZES` and mode replaces every layer's per-layer option. So each
+baseline's plan (`baselines.make_baseline`) is a point of the model (`set_warm_start` sets it, stage times included,
+from `stages.evaluate_plan`). Does not run or choose a solver (`solver.py` does), imports pulp only inside its
+functions and never torch, and does not know the runtime.
 
 Note: [Block checkpointing as our executor runs it saves memory only when L / K > A / x]
-Our executor holds the saved tensors of all K layers of a block from its recomputation to their backward (MegaTrain
-holds one layer's graph and K hidden states, recomputing each layer a third time). Against recomputing every layer
-from its own input it saves ``(L - L/K) x`` of inputs and adds ``(K - 1) A``; with ``A / x`` between 21 and 48 for the
-zoo models (`LayerCost.saved_bytes / input_bytes`) the option is the least-memory plan almost nowhere, and never the
-fastest: it is in the model so that every baseline is a point of it.
+In ``"block"`` mode the executor holds the saved tensors of all K layers of a block from its recomputation to their
+backward. Against recomputing every layer from its own input it saves ``(L - L/K) x`` of inputs and adds
+``(K - 1) A``; with ``A / x`` between 21 and 48 for the zoo models (`LayerCost.saved_bytes / input_bytes`) that is
+a saving only at large L and small K. In ``"layer"`` mode a block holds K - 1 hidden states and one layer's graph
+(``(K - 1) x + A`` beyond its checkpoint, `memmodel.block_recompute_terms`), always less than ``"block"`` at the
+same K and than per-layer recomputation from the device (``L x + A``) once K < L, so it is the least-memory plan of
+the device tier; it pays a third forward (and weight fetch) of each block layer below the top. Neither mode dominates
+the other: ``"block"`` runs one forward less per layer and sits between per-layer recomputation and ``"layer"`` in
+memory, so the MILP offers both and the budget decides.
 """
 
 from __future__ import annotations
@@ -30,13 +36,14 @@ from typing import Any
 from .costmodel import CostModel
 from .memmodel import (
     SLOT_ALIGN,
+    block_recompute_terms,
     copies_inline,
     grads_leave_next_stage,
     held_grad_bytes,
     pool_slots,
     resident_norm_bytes,
 )
-from .plan import Plan
+from .plan import BLOCK_GRAPHS, Plan
 from .stages import (
     OPTIONS,
     evaluate_plan,
@@ -67,7 +74,7 @@ class _Model:
     yR: list[dict[tuple[str, int], Any]]
     T: list[Any]
     T_tail: Any
-    blk: dict[int, Any]  # block size K -> binary (block checkpointing every K layers)
+    blk: dict[tuple[int, str], Any]  # (K, Plan.block_graphs) -> binary (block checkpointing every K layers)
     pool: dict[str, Any]  # layer kind -> GiB of its slot pool (continuous)
     many: dict[str, Any]  # layer kind -> binary: at least two of its layers stream
 
@@ -143,9 +150,13 @@ def build_milp(
                 if not fixed_slotting or a == min(1, max(reload_aheads(L, i, o, lookahead)))
             }
         )
-    # blk[K] = 1: block checkpointing every K layers (Plan.checkpoint_every = K), in place of every opt[i][o]; only
-    # when the device tier is allowed (the block checkpoints live there)
-    blk = {K: _var(prob, f"blk_{K}") for K in block_sizes(L, allowed)}
+    # blk[K, g] = 1: block checkpointing every K layers (Plan.checkpoint_every = K) recomputed as block_graphs = g,
+    # in place of every opt[i][o]; only when the device tier is allowed (the block checkpoints live there)
+    blk = {
+        (K, g): _var(prob, f"blk_{K}" if g == "block" else f"blk_{g}_{K}")
+        for K in block_sizes(L, allowed)
+        for g in BLOCK_GRAPHS
+    }
     T = [_var(prob, f"T_{s}", "Continuous") for s in range(S)]  # T[s]: duration of stage s (seconds)
     T_tail = _var(prob, "T_tail", "Continuous")  # end of B_0 -> start of the next F_0 (seconds)
     kinds = sorted({lc.kind for lc in cm.layers})
@@ -267,20 +278,16 @@ def build_milp(
                 const_mem[sB + 1] += lc.grad_bytes
         elif late_grads:
             const_mem[S] += lc.grad_bytes
-    # block checkpointing (the same terms `evaluate_plan` takes for checkpoint_every = K)
-    for K, z in blk.items():
-        for j in range(0, L, K):
-            block = list(range(j, min(j + K, L)))
-            s_rec = 2 * L - block[-1]  # the top layer's backward stage recomputes the block
-            for s in range(j, 2 * L - j + 1):
-                mem[s].append((cm.layers[j].input_bytes, z))  # the block checkpoint
-            comp[s_rec].append((sum(cm.layers[k].fwd_s for k in block), z))
-            h2d[s_rec].append((sum(cm.layers[k].weight_bytes for k in block), z))
-            od[s_rec].append((cm.layers[j].weight_bytes, z))  # the first recompute fetch has nothing to hide behind
-            # the recompute double buffer: the pool's extra slots ([Constraint] slot pools)
-            for k in block:
-                for s in range(s_rec, 2 * L - k + 1):
-                    mem[s].append((cm.layers[k].saved_bytes, z))  # recomputed, alive until B_k
+    # block checkpointing (the terms `evaluate_plan` takes for checkpoint_every = K, memmodel.block_recompute_terms);
+    # the recompute double buffer: the pool's extra slots ([Constraint] slot pools)
+    for (K, g), z in blk.items():
+        terms = block_recompute_terms(cm, K, g == "layer")
+        for lo, hi, nbytes in terms["alive"]:
+            for s in range(lo, hi + 1):
+                mem[s].append((nbytes, z))
+        for name, rows in (("comp", comp), ("h2d", h2d), ("od", od)):
+            for s, v in terms[name]:
+                rows[s].append((v, z))
     const_comp[L] += cm.head_s
     const_mem[L] += cm.head_ws_bytes
     # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
@@ -367,13 +374,14 @@ def build_milp(
             prob += pool[k] >= min(cap, a + 1) * wk / GIB * y, f"pool_depth_{n}_{m}"
         # block checkpointing: extra slots, one more when no backward fetch of the kind is issued ahead
         ahead_b = pulp.lpSum(y for i in members for a, y in yB[i].items() if a >= 1)
-        for K, z in blk.items():
-            prob += pool[k] >= min(cap, pool_slots(K, 1, 1)) * wk / GIB * z, f"pool_block_{n}_{K}"
-            prob += pool[k] >= min(cap, pool_slots(K, 1, 0)) * wk / GIB * (z - ahead_b), f"pool_block_b0_{n}_{K}"
+        for (K, g), z in blk.items():
+            tag = f"{K}" if g == "block" else f"{g}_{K}"
+            prob += pool[k] >= min(cap, pool_slots(K, 1, 1)) * wk / GIB * z, f"pool_block_{n}_{tag}"
+            prob += pool[k] >= min(cap, pool_slots(K, 1, 0)) * wk / GIB * (z - ahead_b), f"pool_block_b0_{n}_{tag}"
             for m, (a, y) in enumerate(deep):
                 prob += (
                     pool[k] >= min(cap, pool_slots(K, a, 0)) * wk / GIB * (z + y - 1),
-                    f"pool_block_depth_{n}_{K}_{m}",
+                    f"pool_block_depth_{n}_{tag}_{m}",
                 )
 
     # ------------------------------------------------------------------ [Constraint] memory
@@ -418,7 +426,7 @@ def _value(v: Any) -> float:
 def extract_plan(model: _Model, cm: CostModel, source: str) -> Plan:
     """The solved model's decisions as a `Plan` (``source`` its `Plan.source`)."""
     L = cm.num_layers
-    K = next((k for k, z in model.blk.items() if _value(z) > 0.5), 1)
+    K, graphs = next((key for key, z in model.blk.items() if _value(z) > 0.5), (1, "block"))
     options, resident, ff, fb, rl = [], [], [], [], []
     for i in range(L):
         o = "rec_gpu" if K > 1 else max(model.opt[i], key=lambda k: _value(model.opt[i][k]))
@@ -428,7 +436,7 @@ def extract_plan(model: _Model, cm: CostModel, source: str) -> Plan:
         fb.append(max(model.yB[i], key=lambda a: _value(model.yB[i][a])) if not resident[-1] else 1)
         cand = {a: _value(v) for (oo, a), v in model.yR[i].items() if oo == o}
         rl.append(max(cand, key=cand.get) if cand else 1)
-    return plan_from_options(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K)
+    return plan_from_options(cm, options, resident, ff, fb, rl, source=source, checkpoint_every=K, block_graphs=graphs)
 
 
 def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | None = None) -> bool:
@@ -442,9 +450,9 @@ def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | No
     """
     L = len(model.opt)
     K = plan.checkpoint_every
-    if K > 1 and K not in model.blk:
+    if K > 1 and (K, plan.block_graphs) not in model.blk:
         return False
-    values: list[tuple[Any, float]] = [(z, 1.0 if k == K else 0.0) for k, z in model.blk.items()]
+    values: list[tuple[Any, float]] = [(z, 1.0 if k == (K, plan.block_graphs) else 0.0) for k, z in model.blk.items()]
     for i in range(L):
         lp = plan.layers[i]
         o = option_of(lp)

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from .costmodel import CostModel
+from .formulation import BLOCK_SIZES
 from .plan import Plan
 from .stages import (
     DEFAULT_LOOKAHEAD,
@@ -34,7 +35,9 @@ def _legal_reload(L: int, i: int, option: str, lookahead: int) -> list[int]:
 
 def min_memory_plan(cm: CostModel, allowed_tiers: Sequence[str] = ("gpu", "cpu")) -> Plan:
     """A plan that keeps little on the device: every layer recomputed from an input parked off the device when a
-    host tier is allowed, every transfer on demand, nothing resident."""
+    host tier is allowed, every transfer on demand, nothing resident; or, when the device tier is allowed and it
+    peaks lower, block checkpointing with one layer's graph at a time (``block_graphs="layer"``) at the block size
+    of `BLOCK_SIZES` that peaks lowest."""
     L = cm.num_layers
     allowed = options_for_tiers(allowed_tiers)
     options = []
@@ -42,7 +45,21 @@ def min_memory_plan(cm: CostModel, allowed_tiers: Sequence[str] = ("gpu", "cpu")
         legal = layer_options(L, i, allowed)
         options.append(next((o for o in ("rec_cpu", "rec_nvme", "rec_gpu") if o in legal), legal[0]))
     zeros = [0] * L
-    return plan_from_options(cm, options, fetch_fwd=zeros, fetch_bwd=zeros, reload=zeros, source="heuristic")
+    best = plan_from_options(cm, options, fetch_fwd=zeros, fetch_bwd=zeros, reload=zeros, source="heuristic")
+    if "rec_gpu" not in allowed:
+        return best
+    peak = evaluate_plan(best, cm).peak_gpu_bytes
+    for K in BLOCK_SIZES:
+        if K > L:
+            break
+        plan = plan_from_options(
+            cm, ["rec_gpu"] * L, fetch_fwd=zeros, fetch_bwd=zeros, reload=zeros, source="heuristic",
+            checkpoint_every=K, block_graphs="layer",
+        )  # fmt: skip
+        p = evaluate_plan(plan, cm).peak_gpu_bytes
+        if p < peak:
+            best, peak = plan, p
+    return best
 
 
 def heuristic_plan(

@@ -256,3 +256,43 @@ def grads_leave_next_stage(cm: Any) -> bool:
     """Whether a layer's device gradients are held one stage after its backward (their D2H in flight); with inline
     copies (`copies_inline`) they are added into the host accumulators at once."""
     return not copies_inline(cm)
+
+
+def block_recompute_terms(cm: Any, K: int, layer_graphs: bool) -> dict[str, list[tuple]]:
+    """The terms of block checkpointing every ``K`` layers beyond those every recomputed layer has (its backward
+    working set, `stages.evaluate_plan`), as the executor runs it (`activations/recompute.py`), for the stage model,
+    the MILP and the simulator alike. Stages: ``F i`` is ``i``, ``B i`` is ``2 L - i``; a block ``[j, j + K)`` is
+    recomputed from ``B`` of its top layer (``s_rec``).
+
+    - ``alive``: ``(first stage, last stage, bytes)``: the block checkpoint (the input of layer ``j``, from ``F j``
+      to ``B j``); ``layer_graphs=False`` (``block_graphs="block"``): every saved tensor of every block layer ``k``
+      from ``s_rec`` to ``B k``; ``True`` (``"layer"``, Note: [A block's layers are recomputed one graph at a time]):
+      the kept input of every block layer above ``j`` from ``s_rec`` to ``B k`` and layer ``k``'s saved tensors
+      during ``B k`` only;
+    - ``comp``: ``(stage, seconds)``: the recomputation at ``s_rec`` (the whole block with grad; or its layers below
+      the top under ``no_grad``) and, with ``layer_graphs``, each layer's forward again at ``B k``;
+    - ``h2d`` / ``od``: ``(stage, bytes)``: the recomputation's weight fetches at ``s_rec`` (those of the layers it
+      runs) and the first of them, which has nothing to hide behind."""
+    L = cm.num_layers
+    alive: list[tuple[int, int, int]] = []
+    comp: list[tuple[int, float]] = []
+    h2d: list[tuple[int, int]] = []
+    od: list[tuple[int, int]] = []
+    for j in range(0, L, K):
+        block = list(range(j, min(j + K, L)))
+        s_rec = 2 * L - block[-1]
+        alive.append((j, 2 * L - j, cm.layers[j].input_bytes))
+        ran = block[:-1] if layer_graphs else block
+        if ran:
+            comp.append((s_rec, sum(cm.layers[k].fwd_s for k in ran)))
+            h2d.append((s_rec, sum(cm.layers[k].weight_bytes for k in ran)))
+            od.append((s_rec, cm.layers[j].weight_bytes))
+        for k in block:
+            if not layer_graphs:
+                alive.append((s_rec, 2 * L - k, cm.layers[k].saved_bytes))
+                continue
+            if k > j:
+                alive.append((s_rec, 2 * L - k, cm.layers[k].input_bytes))
+            alive.append((2 * L - k, 2 * L - k, cm.layers[k].saved_bytes))
+            comp.append((2 * L - k, cm.layers[k].fwd_s))
+    return {"alive": alive, "comp": comp, "h2d": h2d, "od": od}

@@ -37,6 +37,9 @@ DP_REDUCE: tuple[str, ...] = ("host", "device")
 # How often it does so with gradient accumulation (`Plan.dp_reduce_every`)
 DP_REDUCE_EVERY: tuple[str, ...] = ("micro_batch", "step")
 
+# How a checkpointed block is recomputed in backward (`Plan.block_graphs`)
+BLOCK_GRAPHS: tuple[str, ...] = ("block", "layer")
+
 PREDICTION_KEYS: tuple[str, ...] = ("step_time_s", "tflops", "tokens_per_s", "peak_gpu_bytes", "peak_host_bytes")
 
 
@@ -106,6 +109,13 @@ class Plan:
             MegaTrain does it: only the input of every K-th layer is saved (on the device) and in backward each block
             of K layers is recomputed as a whole (weights fetched once more for the recomputation) before its
             backward; every layer's ``policy`` must then be ``"recompute"`` with ``input_tier="gpu"``.
+        block_graphs: how a checkpointed block (``checkpoint_every > 1``) is recomputed, one of `BLOCK_GRAPHS`:
+            ``"block"`` (plan files without it): at the top layer's backward stage the whole block is recomputed
+            once with grad, so all K layers' saved tensors are live until their backward. ``"layer"`` (MegaTrain's
+            executor): at that stage the block's layers below the top are run forward under ``no_grad`` from the
+            block input, keeping each one's output (the next layer's input) on the device; then each layer's
+            backward stage recomputes only that layer with grad from its kept input, so one layer's graph and
+            K - 1 hidden states are live, at the price of a third forward (and weight fetch) of the lower layers.
         optimizer_overlap: the CPU optimizer step overlaps the next step's forward (layer i is uploaded as soon as
             it is updated). ``False``: the next step starts only after the whole optimizer step.
         state_nvme: the streamed units whose training state (fp32 master, compute copy, gradient accumulator, 8-bit
@@ -144,6 +154,7 @@ class Plan:
     nodes: int = 1
     dp_reduce: str = "host"
     dp_reduce_every: str = "micro_batch"
+    block_graphs: str = "block"
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -206,6 +217,12 @@ class Plan:
             )
         if self.checkpoint_every < 1:
             raise PlanError(f"checkpoint_every={self.checkpoint_every} must be >= 1 (1 = per-layer policies).")
+        if self.block_graphs not in BLOCK_GRAPHS:
+            raise PlanError(
+                f"block_graphs={self.block_graphs!r} is not one of {BLOCK_GRAPHS}; write 'block' (each checkpointed "
+                "block recomputed once with grad) or 'layer' (no_grad pass keeping each layer's input, then one "
+                "layer recomputed with grad per backward stage)."
+            )
         L = len(self.layers)
         for k in self.state_nvme:
             if not isinstance(k, int) or not -1 <= k <= L or (k in (-1, L) and not self.stream_embeddings):
@@ -277,6 +294,11 @@ class Plan:
         K = self.checkpoint_every
         return min((i // K) * K + K, self.num_layers) - 1
 
+    @property
+    def layer_graphs(self) -> bool:
+        """Block checkpointing with one layer's graph live at a time (``block_graphs == "layer"``, ``K > 1``)."""
+        return self.checkpoint_every > 1 and self.block_graphs == "layer"
+
     def block_fetches(self, i: int) -> tuple[bool, bool]:
         """``(recompute fetch, backward fetch)`` of a streamed layer ``i`` in backward.
 
@@ -284,7 +306,9 @@ class Plan:
         whose backward fetch was issued by then keeps that slot through its recomputation and backward; any other
         is fetched for the recomputation, released, and fetched again for its backward (Note: [Block recomputation
         binds its layers one by one] in streaming/binder.py). A layer kept bound after its forward is fetched for
-        neither."""
+        neither. The same for both `block_graphs` modes: ``"layer"`` binds the layers below the top the same way
+        for its ``no_grad`` pass, and each layer's with-grad recomputation runs at its backward stage, bound by its
+        backward fetch."""
         if self.keeps_bound_after_forward(i):
             return False, False
         top = self.block_top(i)
@@ -346,6 +370,11 @@ class Plan:
         rows.append(
             f"source={self.source} micro_batch_size={self.micro_batch_size} seq_len={self.seq_len} "
             f"hardware={self.hardware or '-'} stream_embeddings={self.stream_embeddings}"
+            + (
+                f" checkpoint_every={self.checkpoint_every} block_graphs={self.block_graphs}"
+                if self.checkpoint_every > 1
+                else ""
+            )
             + (
                 f" world_size={self.world_size} nodes={self.nodes} dp_reduce={self.dp_reduce}/{self.dp_reduce_every}"
                 if self.world_size > 1

@@ -9,7 +9,8 @@ stage it is issued in), written from the executor's rules, which read the same `
   step after their update;
 - block checkpointing (``checkpoint_every = K > 1``): the block's top layer recomputes the block in its backward
   stage, fetching each layer that does not hold a slot; a layer whose backward fetch was issued by then stays bound
-  for its backward, the others are fetched again (`Plan.block_fetches`);
+  for its backward, the others are fetched again (`Plan.block_fetches`; the same with ``block_graphs="layer"``,
+  whose ``no_grad`` pass binds the block's layers below the top the same way);
 - saved activations: ``offload_cpu`` / ``offload_nvme`` move what the layer saves (``saved``), a recomputed layer
   with its input on the cpu / nvme tier moves its input (``input``): D2H after the layer's forward (plus an NVMe
   write), H2D at the reload's issue stage (after an NVMe read);

@@ -10,7 +10,9 @@ what it depends on has finished:
 - a forward fetch of layer ``i`` waits for the previous step's update of layer ``i`` (Note: [Update before fetch]
   in training/updater.py), the first forward for the update of the parameters that are not streamed;
 - a layer's compute waits for its weights (the fetch issued for that stage, or the one it kept bound), its
-  reloads and, for a block's top layer, the block's recomputation fetches; offloads (D2H, then the NVMe write) start
+  reloads and, for a block's top layer, the block's recomputation fetches (and forwards, `memmodel.
+  block_recompute_terms`: with ``block_graphs="layer"`` the lower layers' ``no_grad`` pass, each layer's own
+  forward again at its backward); offloads (D2H, then the NVMe write) start
   when the forward that produced them ends, gradients when the backward ends; a reload waits for its offload
   (and NVMe read); ``F_i`` waits for the offload of ``F_{i-2}`` and ``B_i`` for the gradients of ``B_{i+2}``
   (Note: [Two stages of copies in flight] in streaming/engine.py);
@@ -354,24 +356,29 @@ def simulate(
             need = [land.get(("fetch_bwd", i), 0.0), land.get(("reload", i), 0.0), done.get(("grad", i + 2), 0.0)]
             need.append(hold)  # the previous unit's reduce on the devices (dp_reduce "device")
             dur = lc.bwd_s
-            if K == 1 and lp.policy == "recompute":
+            per_layer = K == 1 or plan.layer_graphs  # this layer alone is recomputed with grad at B_i
+            if per_layer and lp.policy == "recompute":
                 dur += lc.fwd_s
             extra = 0
-            if K > 1 and plan.block_top(i) == i:
+            if K > 1 and plan.block_top(i) == i:  # memmodel.block_recompute_terms
                 block = [k for k in range(L) if plan.block_top(k) == i]
-                dur += sum(cm.layers[k].fwd_s for k in block)
+                ran = block[:-1] if plan.layer_graphs else block
+                dur += sum(cm.layers[k].fwd_s for k in ran)
                 need += [land.get(("fetch_rec", k), 0.0) for k in block]
-                extra = sum(cm.layers[k].saved_bytes for k in block)  # each freed by its layer's backward
+                if plan.layer_graphs:  # the kept inputs of the block's layers above its first
+                    extra = sum(cm.layers[k].input_bytes for k in block[1:])
+                else:  # each freed by its layer's backward
+                    extra = sum(cm.layers[k].saved_bytes for k in block)
             recomputes = lp.policy == "recompute"
             ws_b = lc.ws_bwd_bytes + (max(0, lc.ws_fwd_bytes - lc.grad_bytes) if recomputes or K > 1 else 0)
             start, end = lanes.run("compute", max(begin, *need), dur, f"B{i}")
-            alloc(start, ws_b + lc.grad_bytes + extra + (lc.saved_bytes if recomputes and K == 1 else 0))
+            alloc(start, ws_b + lc.grad_bytes + extra + (lc.saved_bytes if recomputes and per_layer else 0))
             free(end, ws_b + (lc.saved_bytes if recomputes else 0))
             if K == 1 and lp.tier == "gpu":
                 free(end, held(i))
             elif K == 1:
                 free(end, _reloaded(cm, lp, i))
-            elif i % K == 0:
+            elif i % K == 0 or plan.layer_graphs:
                 free(end, lc.input_bytes)
             g_end = hold = reduce_on_device(i, end)
             for tr in after_compute.get((i, "B"), []):

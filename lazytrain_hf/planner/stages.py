@@ -40,6 +40,7 @@ from typing import Any
 
 from .costmodel import CostModel
 from .memmodel import (
+    block_recompute_terms,
     copies_inline,
     grads_leave_next_stage,
     held_grad_bytes,
@@ -279,18 +280,16 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
                 mem_tail += lc.grad_bytes
         if on_nvme and i > 0:
             nvw[sB + 1] += cm.state_io_bytes(i)[0]
-    if K > 1:
-        for j in range(0, L, K):
-            block = list(range(j, min(j + K, L)))
-            last = block[-1]
-            s_rec = 2 * L - last
-            alive(j, 2 * L - j, cm.layers[j].input_bytes)  # the block checkpoint
-            comp[s_rec] += sum(cm.layers[k].fwd_s for k in block)
-            h2d[s_rec] += sum(cm.layers[k].weight_bytes for k in block)
-            od[s_rec] += cm.layers[j].weight_bytes  # the first recompute fetch has nothing to hide behind
-            # the recompute double buffer: the pool's extra slots (memmodel.slot_pools)
-            for k in block:
-                alive(s_rec, 2 * L - k, cm.layers[k].saved_bytes)
+    if K > 1:  # the block checkpoints and recomputation (memmodel); the recompute double buffer is the pool's
+        terms = block_recompute_terms(cm, K, plan.layer_graphs)
+        for lo, hi, nbytes in terms["alive"]:
+            alive(lo, hi, nbytes)
+        for s, secs in terms["comp"]:
+            comp[s] += secs
+        for s, nbytes in terms["h2d"]:
+            h2d[s] += nbytes
+        for s, nbytes in terms["od"]:
+            od[s] += nbytes
     # ---- head stage
     comp[L] += cm.head_s
     head_held, embed_held = held_grad_bytes(cm)

@@ -8,7 +8,8 @@
 - two identity autograd functions around each layer in grad mode: one on the layer output, whose backward marks
   the start of stage ``B i`` (re-fetch the layer, issue the plan's transfers; under block checkpointing,
   ``plan.checkpoint_every > 1``, the top layer of a block also has the activation engine recompute the whole block,
-  binding each of its layers through `StreamHandle.recompute_weights`), and one on the layer input, whose
+  or with ``plan.block_graphs == "layer"`` run its lower layers under ``no_grad`` keeping their outputs, binding
+  each of its layers through `StreamHandle.recompute_weights`), and one on the layer input, whose
   backward marks that every gradient flowing through the layer has been computed;
 - a post-accumulate-grad hook on every trainable parameter: when all the parameters of a layer that take part in
   this backward have their gradient, the layer's gradients are reduced to a squared norm on the device, moved into
