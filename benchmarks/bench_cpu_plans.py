@@ -1,6 +1,6 @@
 """The MILP against every baseline on the CPU device, under a device budget tight enough that the plans differ.
 
-    PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_plans.py                          # 40M, 100M and 300M qwen3
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_plans.py                          # 40M and 100M qwen3
     PYTHONPATH=. .venv/bin/python benchmarks/bench_cpu_plans.py --sizes 40m --rounds 2 --json /tmp/cpu_plans.json
 
 For each size (qwen3 from a config, random init, fp32, untied; `bench_cpu_predict.SIZES`):
@@ -194,7 +194,7 @@ def bench_size(name: str, rounds: int, warmup: int, steps: int, fraction: float 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sizes", default="40m,100m,300m", help=f"comma-separated, of {', '.join(bcp.SIZES)}")
+    ap.add_argument("--sizes", default="40m,100m", help=f"comma-separated, of {', '.join(bcp.SIZES)}")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--steps", type=int, default=2)
