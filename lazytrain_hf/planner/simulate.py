@@ -42,11 +42,12 @@ Three optimizer steps are replayed; the step time is the period of the last one 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
 from .costmodel import CostModel
-from .memmodel import copies_inline, held_grad_bytes, slot_pools, streamed_head_terms
+from .memmodel import copies_inline, held_grad_bytes, resident_norm_bytes, slot_pools, streamed_head_terms
 from .plan import Plan
 from .schedule import sizes_from_cost_model, step_transfers, unit_owners_of
 from .world import optimizer_rate_per_rank
@@ -266,7 +267,8 @@ def simulate(
     ht = streamed_head_terms(cm) if plan.stream_embeddings else None
     tied = not cm.head_params
     alloc(0.0, (0 if ht else cm.fixed_device_bytes) + sum(pools.values()))
-    head_held = 0 if ht else held_grad_bytes(cm)[0]
+    head_held, embed_held = (0, 0) if ht else held_grad_bytes(cm)
+    norm_copy = 0 if ht else resident_norm_bytes(cm)
 
     def slotted(tr) -> bool:  # a layer's weights, into a slot of its pool (a streamed unit's: charged below)
         return tr.what.startswith("fetch") and tr.layer is not None and (0 <= tr.layer < L or ht is not None)
@@ -285,6 +287,7 @@ def simulate(
     last_mb = True
     for mb in range(steps * micro_batches):
         last_mb = mb % micro_batches == micro_batches - 1  # the optimizer step follows this micro-batch
+        first_mb = mb % micro_batches == 0  # resident gradients are allocated here, accumulated into after
         land: dict[tuple[str, int | None], float] = {}
         done: dict[tuple[str, int | None], float] = {}
         t = step_begin
@@ -337,7 +340,7 @@ def simulate(
                 start, end = lanes.run("compute", max(begin, land.get(("fetch_fwd", L), 0.0)), cm.head_s, "head")
                 ws_h = max(cm.head_ws_bytes, ht["head_done"]) + ht["head_slots"] if ht else cm.head_ws_bytes
                 alloc(begin if ht else start, ws_h)
-                alloc(start, ht["head_grad"] if ht else head_held)
+                alloc(start, ht["head_grad"] if ht else head_held if first_mb else 0)
                 free(end, ws_h)
                 reduced = hold = reduce_on_device(L, end)
                 ge = reduced
@@ -390,6 +393,8 @@ def simulate(
             t = end
         reduced = reduce_on_device(-1, t)
         grads_down = max(grads_down, reduced)
+        if first_mb:  # the embedding's gradient, held until the optimizer step (memmodel.held_grad_bytes)
+            alloc(t, embed_held)
         if ht:  # the embedding completes: its gradient (with the tied lm_head's part) and the norm's fp32 copy
             alloc(t, ht["embed_done"] - (ht["head_grad"] if tied else 0))
         ge = reduced
@@ -404,7 +409,9 @@ def simulate(
         if not last_mb:  # gradient accumulation: the next micro-batch starts at once
             step_begin = b_end
             continue
-        free(b_end, head_held)  # the lm_head's gradient, held until the optimizer step
+        # the global norm's fp32 copy of one resident gradient (memmodel.resident_norm_bytes), beside them all
+        alloc(b_end, norm_copy)
+        free(math.nextafter(b_end, math.inf), norm_copy + head_held + embed_held)  # the held gradients, to the step
         b0_end.append(b_end)
         opt: dict[Any, float] = {}
         res_grad = [tr for tr in per_step if tr.what == "grad"]
