@@ -172,6 +172,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import baselines as bl
     from .planner import milp
     from .planner.costmodel import CostModel
+    from .planner.memmodel import with_accumulation
     from .planner.simulate import draw_timeline, simulate
 
     t_cmd = time.perf_counter()
@@ -211,6 +212,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         )
     cfg, _ = milp._resolve_config(args.model)
     cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=plan.model)
+    cm = with_accumulation(cm, args.gradient_accumulation_steps)
     baselines: dict[str, Any] = {}
     for name in bl.BASELINES:
         bp = bl.make_baseline(name, cm)

@@ -10,7 +10,7 @@ import pytest
 
 from lazytrain_hf.planner import baselines, milp
 from lazytrain_hf.planner.costmodel import CostModel
-from lazytrain_hf.planner.memmodel import held_grad_bytes
+from lazytrain_hf.planner.memmodel import held_grad_bytes, with_accumulation
 from lazytrain_hf.planner.simulate import draw_timeline, simulate
 from lazytrain_hf.planner.stages import evaluate_plan
 from lazytrain_hf.planner.zoo import ZOO_MODELS, get_config
@@ -144,3 +144,8 @@ def test_simulator_charges_the_held_gradients_and_the_norm_copy_as_the_stage_mod
     assert one.peak_gpu_bytes == pytest.approx(ev.peak_gpu_bytes, rel=1e-3)
     # the second micro-batch runs beside the first one's held gradients, never beside a second copy of them
     assert one.peak_gpu_bytes <= two.peak_gpu_bytes <= one.peak_gpu_bytes + sum(held_grad_bytes(cm))
+    # and as the stage model of two micro-batches a step has it (memmodel.carried_grad_bytes)
+    for name in ("megatrain", "all_recompute", "keep_all"):
+        p = baselines.baseline_plan(name, cm)
+        ga = with_accumulation(cm, 2)
+        assert simulate(p, ga, micro_batches=2).peak_gpu_bytes == pytest.approx(evaluate_plan(p, ga).peak_gpu_bytes)

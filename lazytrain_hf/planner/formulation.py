@@ -37,11 +37,12 @@ from .costmodel import CostModel
 from .memmodel import (
     SLOT_ALIGN,
     block_recompute_terms,
+    carried_grad_bytes,
     copies_inline,
+    end_of_backward_bytes,
     grads_leave_next_stage,
     held_grad_bytes,
     pool_slots,
-    resident_norm_bytes,
 )
 from .plan import BLOCK_GRAPHS, Plan
 from .stages import (
@@ -294,7 +295,10 @@ def build_milp(
     head_held, embed_held = held_grad_bytes(cm)
     for s in range(L, S):
         const_mem[s] += head_held
-    const_mem[S] += head_held + embed_held + resident_norm_bytes(cm)  # the global norm's fp32 copy of one of them
+    const_mem[S] += head_held + embed_held + end_of_backward_bytes(cm)  # the global norm's fp32 copy of one of them
+    carried_head, carried_embed = carried_grad_bytes(cm)  # under gradient accumulation: the earlier micro-batches'
+    for s in range(S):
+        const_mem[s] += carried_embed + (carried_head if s <= L else 0)  # memmodel.carried_grad_bytes
     const_d2h[L + 1] += cm.head_grad_bytes
     if cm.head_bytes and L >= 1:
         const_h2d[L - 1] += cm.head_bytes

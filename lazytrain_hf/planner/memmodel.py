@@ -36,6 +36,7 @@ Pure arithmetic; imports nothing of the package (and not torch).
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 from typing import Any
 
@@ -203,6 +204,34 @@ def held_grad_bytes(cm: Any) -> tuple[int, int]:
     if cm.head_params:
         return cm.head_grad_bytes, cm.embed_grad_bytes
     return cm.embed_grad_bytes, 0
+
+
+def with_accumulation(cm: Any, steps: int) -> Any:
+    """A copy of cost model ``cm`` planning ``steps`` micro-batches per optimizer step (`carried_grad_bytes`)."""
+    new = copy.copy(cm)
+    new.accumulation_steps = max(1, int(steps))
+    return new
+
+
+def carried_grad_bytes(cm: Any) -> tuple[int, int]:
+    """``(the lm_head's, the embedding's)`` gradient bytes held on the device from the first micro-batch of an
+    optimizer step through the forward and backward of the others (gradient accumulation,
+    ``cm.accumulation_steps`` > 1): the resident parameters' gradients are accumulated in place on the device and
+    leave at the optimizer step (`held_grad_bytes`), so every stage of a later micro-batch holds them. None without
+    accumulation, nor for streamed embedding and head (their gradients leave as a layer's).
+
+    A later micro-batch's backward also makes each resident gradient anew before adding it into the held one: the
+    head stage holds a second lm_head gradient (the stage models charge the carried one through the head stage),
+    and the embedding's backward a second embedding gradient at the end of backward, before the norm's fp32 copy
+    (`end_of_backward_bytes`). Measured on the CPU device (`tests/test_memory_model.py`, two micro-batches)."""
+    return held_grad_bytes(cm) if getattr(cm, "accumulation_steps", 1) > 1 else (0, 0)
+
+
+def end_of_backward_bytes(cm: Any) -> int:
+    """Bytes at the end of backward beyond the held gradients, one at a time: the global norm's fp32 copy
+    (`resident_norm_bytes`) or, under gradient accumulation, the embedding's new gradient before it is added into
+    the held one (`carried_grad_bytes`)."""
+    return max(resident_norm_bytes(cm), carried_grad_bytes(cm)[1])
 
 
 def resident_norm_bytes(cm: Any) -> int:

@@ -30,6 +30,7 @@ from .costmodel import CostModel
 from .formulation import GIB, build_milp, extract_plan, set_warm_start
 from .hardware import HardwareProfile, get_profile
 from .heuristics import heuristic_plan, min_memory_plan
+from .memmodel import with_accumulation
 from .outcome import PlannerFallbackWarning, settle
 from .plan import Plan
 from .search import batch_candidates, fastest_plan_bounded, max_feasible_batch
@@ -374,8 +375,9 @@ def plan_for_model(
             each rank's pinned activation budget (`hostmem.rank_activation_budget` of the node's), and the plan
             records the world, where its gradients are reduced (``dp_reduce``: `dpreduce.decide`, the shorter
             simulated step) and rank 0's ``bytes_per_step``.
-        gradient_accumulation_steps: micro-batches per optimizer step, for the world's decision of how often the
-            gradients are reduced (``dp_reduce_every``, `dpreduce.decide`) and its ``bytes_per_step``.
+        gradient_accumulation_steps: micro-batches per optimizer step: the resident gradients held through them
+            (`memmodel.carried_grad_bytes`), the world's decision of how often the gradients are reduced
+            (``dp_reduce_every``, `dpreduce.decide`) and its ``bytes_per_step``.
     """
     t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
@@ -403,7 +405,7 @@ def plan_for_model(
         base = base.with_measured_times(list(measured_times[0]), list(measured_times[1]))
     if state_nvme:
         base = base.with_state_nvme(state_nvme)
-    base = for_world(base, world)
+    base = for_world(with_accumulation(base, gradient_accumulation_steps), world)
     host_state = base.host_state_bytes if world is None else world_host_state_bytes(base, world)
     if host_state > hw.host_memory_bytes:
         warnings.warn(

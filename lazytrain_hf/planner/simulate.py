@@ -340,8 +340,10 @@ def simulate(
                 start, end = lanes.run("compute", max(begin, land.get(("fetch_fwd", L), 0.0)), cm.head_s, "head")
                 ws_h = max(cm.head_ws_bytes, ht["head_done"]) + ht["head_slots"] if ht else cm.head_ws_bytes
                 alloc(begin if ht else start, ws_h)
-                alloc(start, ht["head_grad"] if ht else head_held if first_mb else 0)
+                alloc(start, ht["head_grad"] if ht else head_held)
                 free(end, ws_h)
+                if not (ht or first_mb):  # accumulation: the new lm_head gradient, added into the held one
+                    free(end, head_held)
                 reduced = hold = reduce_on_device(L, end)
                 ge = reduced
                 for tr in after_compute.get((L, "H"), []):
@@ -393,8 +395,10 @@ def simulate(
             t = end
         reduced = reduce_on_device(-1, t)
         grads_down = max(grads_down, reduced)
-        if first_mb:  # the embedding's gradient, held until the optimizer step (memmodel.held_grad_bytes)
-            alloc(t, embed_held)
+        alloc(t, embed_held)  # the embedding's gradient, held until the optimizer step (memmodel.held_grad_bytes)
+        after_t = math.nextafter(t, math.inf)
+        if not first_mb:  # accumulation: the new one, added into the held one (memmodel.carried_grad_bytes)
+            free(after_t, embed_held)
         if ht:  # the embedding completes: its gradient (with the tied lm_head's part) and the norm's fp32 copy
             alloc(t, ht["embed_done"] - (ht["head_grad"] if tied else 0))
         ge = reduced
@@ -410,8 +414,8 @@ def simulate(
             step_begin = b_end
             continue
         # the global norm's fp32 copy of one resident gradient (memmodel.resident_norm_bytes), beside them all
-        alloc(b_end, norm_copy)
-        free(math.nextafter(b_end, math.inf), norm_copy + head_held + embed_held)  # the held gradients, to the step
+        alloc(after_t, norm_copy)
+        free(math.nextafter(after_t, math.inf), norm_copy + head_held + embed_held)  # the held gradients, to the step
         b0_end.append(b_end)
         opt: dict[Any, float] = {}
         res_grad = [tr for tr in per_step if tr.what == "grad"]

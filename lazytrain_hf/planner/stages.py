@@ -41,10 +41,11 @@ from typing import Any
 from .costmodel import CostModel
 from .memmodel import (
     block_recompute_terms,
+    carried_grad_bytes,
     copies_inline,
+    end_of_backward_bytes,
     grads_leave_next_stage,
     held_grad_bytes,
-    resident_norm_bytes,
     slot_pools,
     streamed_head_terms,
 )
@@ -310,6 +311,10 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         alive(L, L, cm.head_ws_bytes)
         # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
         alive(L, S - 1, head_held)  # the embedding's is made after B_0's layer is done: the tail holds it
+        # under gradient accumulation both are held from the step's first micro-batch through the others
+        carried_head, carried_embed = carried_grad_bytes(cm)
+        alive(0, L, carried_head)  # and the head stage makes its gradient anew beside it (memmodel)
+        alive(0, S - 1, carried_embed)
     d2h[L + 1] += cm.head_grad_bytes
     if cm.head_bytes and L >= 1:
         h2d[L - 1] += cm.head_bytes
@@ -350,7 +355,7 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         run += mem_diff[s]
         mem.append(fixed + run)
     # the end of backward: every held gradient and the global norm's fp32 copy of one (memmodel.resident_norm_bytes)
-    mem.append(fixed + mem_tail + head_held + embed_held + (0 if plan.stream_embeddings else resident_norm_bytes(cm)))
+    mem.append(fixed + mem_tail + head_held + embed_held + (0 if plan.stream_embeddings else end_of_backward_bytes(cm)))
     for s, nbytes in moments:
         mem[s] = max(mem[s], fixed + nbytes)
     step = prefix[-1] + tail

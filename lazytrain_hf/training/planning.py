@@ -70,7 +70,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     Returns ``(plan, cost_model)``; ``cost_model`` is None for ``planner_policy="default"`` (no profile, warm-up or
     solve). With auto batch size the plan may choose another micro-batch size than ``batch``'s; the caller adopts it.
     """
-    from ..planner import baselines, costmodel, hardware, milp
+    from ..planner import baselines, costmodel, hardware, memmodel, milp
     from ..planner.plan import Plan
 
     a = args
@@ -147,6 +147,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
             dtype_bytes=dtype_bytes,
             measured_times=measured,
             state_nvme=[k for k in state_keys if 0 <= k < len(kinds)],
+            gradient_accumulation_steps=int(a.gradient_accumulation_steps),
             **common,
         )
     # the cost model of the batch the plan trains with (auto batch size may have changed it): the baselines and
@@ -157,6 +158,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     )
     if measured is not None and plan_mbs == mbs:
         cm = cm.with_measured_times(*measured)
+    cm = memmodel.with_accumulation(cm, a.gradient_accumulation_steps)
     if a.planner_policy != "milp":
         plan = baselines.make_baseline(a.planner_policy, cm)
     plan.loss_chunk_tokens = a.stream_loss_chunk_tokens

@@ -53,12 +53,13 @@ def tensor_bytes(*tensors: torch.Tensor) -> int:
     return sum(t.untyped_storage().nbytes() for t in tensors)
 
 
-def executor_step_peak(model, plan, input_ids: torch.Tensor, steps: int = 2) -> int:
+def executor_step_peak(model, plan, input_ids: torch.Tensor, steps: int = 2, micro_batches: int = 1) -> int:
     """The executor's device peak over one training step (forward, chunked loss, backward, the global gradient norm
     that clipping takes before the optimizer step) of ``plan`` on the CPU device, from the allocator's own records:
     the device bytes the executor holds when the step begins (slot pools, resident parameters;
     `StreamHandle.memory_stats`) plus the allocator's peak increment over the step. The last of ``steps`` steps is
-    measured (the first ones fill the host buffer pools). Run it on the synchronous engine: the profiler records only
+    measured (the first ones fill the host buffer pools). A step of ``micro_batches`` accumulates the gradients of
+    that many forward and backward passes before the norm. Run it on the synchronous engine: the profiler records only
     the calling thread's allocations, and a worker thread's frees would be missed."""
     from lazytrain_hf.streaming import attach
 
@@ -67,8 +68,10 @@ def executor_step_peak(model, plan, input_ids: torch.Tensor, steps: int = 2) -> 
         for _ in range(steps):
             start = handle.memory_stats()["device_bytes"]
             with AllocationTrace() as tr:
-                loss = handle.causal_lm_loss(model, {"input_ids": input_ids, "labels": input_ids})
-                loss.backward()
+                for _ in range(micro_batches):
+                    loss = handle.causal_lm_loss(model, {"input_ids": input_ids, "labels": input_ids})
+                    loss.backward()
+                    del loss
                 handle.grad_sq_norms()  # the trainer's clip / logged grad norm (`global_grad_norm`)
             handle.zero_grad()
     finally:
