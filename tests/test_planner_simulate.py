@@ -145,7 +145,7 @@ def test_simulator_charges_the_held_gradients_and_the_norm_copy_as_the_stage_mod
     # the second micro-batch runs beside the first one's held gradients, never beside a second copy of them
     assert one.peak_gpu_bytes <= two.peak_gpu_bytes <= one.peak_gpu_bytes + sum(held_grad_bytes(cm))
     # and as the stage model of two micro-batches a step has it (memmodel.carried_grad_bytes)
+    ga = with_accumulation(cm, 2)
     for name in ("megatrain", "all_recompute", "keep_all"):
         p = baselines.baseline_plan(name, cm)
-        ga = with_accumulation(cm, 2)
         assert simulate(p, ga, micro_batches=2).peak_gpu_bytes == pytest.approx(evaluate_plan(p, ga).peak_gpu_bytes)

@@ -21,10 +21,9 @@ from conftest import tiny_model
 from trainer_fixtures import RUN_ARGS, LossRecorder
 
 LOSS_RTOL = 1e-5
-# bytes: forces layers to stream (tiny qwen3, vocab 260, 2 x 61 tokens): 1.05 MB is the least of any plan, 1.197 MB
-# the least with every layer resident (stage model), so no measured timing can make the MILP keep them all
-# tight enough that the MILP streams weights: with gradient accumulation 2 the resident gradients held through both
-# micro-batches (memmodel.carried_grad_bytes) leave 1.05-1.15 MB to an all-resident plan that recomputes instead
+# bytes: forces layers to stream (tiny qwen3, vocab 260, 2 x 61 tokens, gradient accumulation 2, whose resident
+# gradients are held through both micro-batches: memmodel.carried_grad_bytes). At 1.05-1.15 MB the fastest plan that
+# fits keeps every layer resident and recomputes (0.99 MB); at 1.0 MB the MILP streams three of the four layers
 TIGHT_BUDGET = 1_000_000
 STEPS = 3
 SFT_LOGS = ("mean_token_accuracy", "entropy", "num_tokens")

@@ -295,7 +295,7 @@ def build_milp(
     head_held, embed_held = held_grad_bytes(cm)
     for s in range(L, S):
         const_mem[s] += head_held
-    const_mem[S] += head_held + embed_held + end_of_backward_bytes(cm)  # the global norm's fp32 copy of one of them
+    const_mem[S] += head_held + embed_held + end_of_backward_bytes(cm)  # the norm's fp32 copy, or a new gradient
     carried_head, carried_embed = carried_grad_bytes(cm)  # under gradient accumulation: the earlier micro-batches'
     for s in range(S):
         const_mem[s] += carried_embed + (carried_head if s <= L else 0)  # memmodel.carried_grad_bytes

@@ -354,7 +354,8 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
     for s in range(S):
         run += mem_diff[s]
         mem.append(fixed + run)
-    # the end of backward: every held gradient and the global norm's fp32 copy of one (memmodel.resident_norm_bytes)
+    # the end of backward: every held gradient and the norm's fp32 copy of one or, under accumulation, the embedding's
+    # new gradient (memmodel.end_of_backward_bytes)
     mem.append(fixed + mem_tail + head_held + embed_held + (0 if plan.stream_embeddings else end_of_backward_bytes(cm)))
     for s, nbytes in moments:
         mem[s] = max(mem[s], fixed + nbytes)
