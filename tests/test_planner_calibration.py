@@ -88,9 +88,14 @@ def test_fit_recovers_the_bundled_gemm_efficiency():
 
 def test_cpu_layer_times_match_measured_compute():
     """On the CPU device the per-class terms at measured rates give a decoder layer's forward and backward time:
-    within 35% of the same layer timed (process CPU time, one thread, so other tenants of the machine do not count;
-    0.83-0.92 measured on a 2-core development machine, 2026-12-01)."""
+    within 35% of the same layer timed (process CPU time, one thread, so other tenants of the machine do not count).
+
+    One probe of a few milliseconds swings by up to 1.6x on a shared VM (the layer-shape GEMM rate 0.057-0.092
+    TFLOPS in one process, 2026-12-03), and one round's prediction against its own layer timing by up to 1.26x
+    (1.55x seen once in CI): so a warm-up round, then the median ratio of five rounds, each round's rates and layer
+    timing measured back to back (0.97-1.07 per round on a 2-core development machine, 2026-12-03)."""
     import dataclasses
+    import statistics
     import time
 
     import torch
@@ -111,16 +116,20 @@ def test_cpu_layer_times_match_measured_compute():
     )
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    rounds = []
     try:
-        prof = measure(
-            device="cpu", config=cfg, micro_batch_size=2, seq_len=256, use_cache=False, repeats=5,
-            timer=time.process_time, copy_bytes=16 << 20, nvme_bytes=4 << 20, optimizer_params=1_000_000,
-        )  # fmt: skip
+        for _ in range(6):
+            prof = measure(
+                device="cpu", config=cfg, micro_batch_size=2, seq_len=256, use_cache=False, repeats=5,
+                timer=time.process_time, copy_bytes=16 << 20, nvme_bytes=4 << 20, optimizer_params=1_000_000,
+            )  # fmt: skip
+            measured = prof.layer_times["full_attention"]
+            cm = CostModel.from_config(cfg, dataclasses.replace(prof, layer_times={}, layer_times_shape=[]), 256, 2, 4)
+            assert cm.serial_lanes and not cm.measured
+            lc = cm.layers[0]
+            rounds.append((lc.fwd_s / measured[0], lc.bwd_s / measured[1], measured, prof.summary()))
     finally:
         torch.set_num_threads(threads)
-    measured = prof.layer_times["full_attention"]
-    cm = CostModel.from_config(cfg, dataclasses.replace(prof, layer_times={}, layer_times_shape=[]), 256, 2, 4)
-    assert cm.serial_lanes and not cm.measured
-    lc = cm.layers[0]
-    ratios = (lc.fwd_s / measured[0], lc.bwd_s / measured[1])
-    assert all(0.65 < r < 1.35 for r in ratios), (ratios, measured, prof.summary())
+    rounds = rounds[1:]  # the warm-up round
+    ratios = [statistics.median(r[i] for r in rounds) for i in (0, 1)]
+    assert all(0.65 < r < 1.35 for r in ratios), (ratios, rounds)
