@@ -267,8 +267,9 @@ def test_predicted_peak_is_the_executors_measured_peak_everywhere(kind, plan_nam
 def test_global_norm_copy_of_resident_gradients_is_charged(kind, plan_name):
     """The global gradient norm at the end of backward (`StreamHandle.grad_sq_norms`, which clipping takes) norms
     each resident gradient with ``vector_norm(g, dtype=float32)``: a bf16 embedding / lm_head gradient is copied to
-    fp32 whole, beside every held gradient (`memmodel.resident_norm_bytes`). A large vocabulary makes the copy
-    visible: 16384 x 256 bf16, 16 MiB of gradients, a 16 MiB copy (a 64-token loss chunk keeps the head stage
+    fp32, `NORM_CHUNK` elements at a time, beside every held gradient (`memmodel.resident_norm_bytes`). A large
+    vocabulary makes the copy visible: 16384 x 256 bf16, 16 MiB of gradients, a 16 MiB copy in one piece (a 64-token
+    loss chunk keeps the head stage
     below the tail). The streamed embedding and head (their norms taken as they complete,
     `memmodel.streamed_head_terms`) are the control. Uncharged, the resident plan measured 51.0 MiB against a
     predicted 41.1 MiB (0.805)."""

@@ -149,9 +149,8 @@ def test_stage_model_and_simulator_agree_on_offloaded_plan_memory():
     batch 7 (every layer ``offload_cpu``, backward fetches on demand) peaked at 7.147 GiB in the stage model, within
     its 7.2 GiB budget, and at 8.489 GiB in the simulator, which charged one layer's saved bytes more at the head
     stage. Both now charge the executor's memory model (`memmodel`): the MILP's plan there peaks at 7.067 GiB in
-    both. Since the global norm's fp32 copy of a resident bf16 gradient is charged too
-    (memmodel.resident_norm_bytes, 2.32 GiB here) the least budget of any plan is 8.03 GiB, so the budget is now 36%
-    (8.64 GiB): the MILP's plan is again every layer ``offload_cpu``, 8.504 GiB in both."""
+    both, but it now recomputes every layer rather than offloading. At 36% (8.64 GiB) the MILP's plan is again every
+    layer ``offload_cpu`` (two kept), 8.504 GiB in both."""
     cm = CostModel.from_config(get_config("qwen3-8b"), "rtx3090", 1024, 7)
     gpu = int(0.36 * cm.hardware.device_memory_bytes)
     with warnings.catch_warnings():

@@ -22,8 +22,8 @@ Per decoder layer (`LayerCost` fields):
 
 Per step (`stages.evaluate_plan`): the head stage holds the final norm's graph and the chunked loss (`head_working_set`);
 the gradient of a parameter that is not streamed (lm_head, embedding) is held from the stage that makes it until the
-optimizer step, and the global norm at the end of backward copies the largest of them to fp32 (`resident_norm_bytes`;
-`simulate` does not charge this copy); the slot pool of each layer kind is allocated for the whole step (`slot_pools`, the executor's
+optimizer step, and the global norm at the end of backward copies them to fp32 a piece at a time (`resident_norm_bytes`);
+the slot pool of each layer kind is allocated for the whole step (`slot_pools`, the executor's
 sizing rule in `streaming/binder.py`); a layer's gradients leave the device after its backward stage (CUDA: one stage
 later, their D2H copy in flight); where the executor copies inline (`copies_inline`: the CPU device on the synchronous
 engine) an offloaded tensor is copied as it is saved, so an offloaded layer never holds its saved bytes on the device
@@ -236,15 +236,16 @@ def end_of_backward_bytes(cm: Any) -> int:
 
 def resident_norm_bytes(cm: Any) -> int:
     """The global gradient norm's fp32 copy of a resident gradient (bytes), at the end of backward beside every held
-    gradient: `StreamHandle.grad_sq_norms` (clipping, the logged norm) takes ``vector_norm(g, dtype=float32)`` of each
-    resident parameter's gradient (embedding, final norm, lm_head), which copies a gradient below fp32 to fp32 whole,
-    one tensor at a time; the largest is ``V x d`` (the embedding's or the lm_head's; tied, the embedding's count
-    includes the final norm's ``d``, 4 d bytes over). Measured 16 MiB for a 16384 x 256 bf16 vocabulary on the CPU
-    device (`tests/test_memory_model.py`). None with fp32 gradients, nor with streamed embedding and head (their
-    norms are taken as they complete, `streamed_head_terms`)."""
-    if cm.grad_dtype_bytes >= FP32:
+    gradient: `StreamHandle.grad_sq_norms` (clipping, the logged norm) takes the squared norm of each resident
+    parameter's gradient (embedding, final norm, lm_head) in fp32, a gradient below fp32 in pieces of `NORM_CHUNK`
+    elements (`norm_working_set`); the largest is ``V x d`` (the embedding's or the lm_head's; tied, the embedding's
+    count includes the final norm's ``d``). Measured on the CPU device (`tests/test_memory_model.py`), where
+    ``vector_norm(piece, dtype=float32)`` copies the piece to fp32; a CUDA reduction reads bf16 directly, so there the
+    charge is an upper bound by one piece (64 MiB). None with fp32 gradients, nor with streamed embedding and head
+    (their norms are taken as they complete, `streamed_head_terms`)."""
+    if not cm.embed_params:
         return 0
-    return FP32 * min(p for p in (cm.embed_params, cm.head_params) if p) if cm.embed_params else 0
+    return norm_working_set(min(p for p in (cm.embed_params, cm.head_params) if p), cm.grad_dtype_bytes)
 
 
 def streamed_head_terms(cm: Any) -> dict[str, int]:

@@ -413,7 +413,7 @@ def simulate(
         if not last_mb:  # gradient accumulation: the next micro-batch starts at once
             step_begin = b_end
             continue
-        # the global norm's fp32 copy of one resident gradient (memmodel.resident_norm_bytes), beside them all
+        # the global norm's fp32 copy of a piece of a resident gradient (memmodel.resident_norm_bytes), beside them all
         alloc(after_t, norm_copy)
         free(math.nextafter(after_t, math.inf), norm_copy + head_held + embed_held)  # the held gradients, to the step
         b0_end.append(b_end)

@@ -562,7 +562,7 @@ class GradientSink:
         res = torch.zeros((), dtype=torch.float32, device=self.device)
         for _, p, _ in self._resident:
             if p.grad is not None:
-                res = res + torch.linalg.vector_norm(p.grad, dtype=torch.float32).to(res.device).square()
+                res = res + squared_norm(p.grad).to(res.device)
         keys.append("resident")
         vals.append(res)
         on_device = [k for k, v in enumerate(vals) if v.device.type != "cpu"]
