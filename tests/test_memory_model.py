@@ -269,8 +269,7 @@ def test_global_norm_copy_of_resident_gradients_is_charged(kind, plan_name):
     each resident gradient with ``vector_norm(g, dtype=float32)``: a bf16 embedding / lm_head gradient is copied to
     fp32, `NORM_CHUNK` elements at a time, beside every held gradient (`memmodel.resident_norm_bytes`). A large
     vocabulary makes the copy visible: 16384 x 256 bf16, 16 MiB of gradients, a 16 MiB copy in one piece (a 64-token
-    loss chunk keeps the head stage
-    below the tail). The streamed embedding and head (their norms taken as they complete,
+    loss chunk keeps the head stage below the tail). The streamed embedding and head (their norms taken as they complete,
     `memmodel.streamed_head_terms`) are the control. Uncharged, the resident plan measured 51.0 MiB against a
     predicted 41.1 MiB (0.805)."""
     predicted, measured = _predicted_and_measured(kind, plan_name, 1, vocab=16384)
@@ -281,8 +280,7 @@ def test_global_norm_copy_of_resident_gradients_is_charged(kind, plan_name):
 def test_global_norm_takes_a_resident_gradient_in_pieces(monkeypatch):
     """The global norm copies a resident bf16 gradient to fp32 at most `NORM_CHUNK` elements at a time
     (`gradients.squared_norm`, `memmodel.resident_norm_bytes`), as it already did a layer's: for Qwen3.6-27B's
-    248320 x 5120 embedding a whole copy is 4.7 GiB at the end of backward, which set the least device budget of the
-    model. The same 16384 x 256 bf16 vocabulary as above with pieces of 2^18 elements: the measured peak drops by the
+    248320 x 5120 embedding a whole copy is 4.7 GiB more at the end of backward. The same 16384 x 256 bf16 vocabulary as above with pieces of 2^18 elements: the measured peak drops by the
     copy less one piece, and the stage model predicts it (fails before: the resident gradients were normed whole,
     measured 51.0 MiB with either piece size)."""
     from lazytrain_hf.planner import memmodel
