@@ -192,3 +192,23 @@ def test_bf16_compute_copy_of_an_fp32_model_streams_its_embeddings(tmp_path, mod
     assert la == lb
     assert all(p.dtype == torch.float32 for p in wb.values())  # the fp32 masters came back
     assert all(torch.equal(wa[n], wb[n]) for n in wa)
+
+
+def test_milp_plans_the_streamed_embeddings_it_trains_with(tmp_path):
+    """``planner_policy="milp"`` with ``stream_embeddings``: the solver plans the embedding and head streamed, so the
+    plan's predictions are the stage model's of the plan the executor runs (regression: it planned them resident and
+    the flag was set afterwards, predicting a device peak that counted the resident embedding, head and their held
+    gradients the run never has)."""
+    from lazytrain_hf.planner import milp
+
+    tr = make_trainer(
+        tmp_path, max_steps=1, planner_policy="milp", planner_hardware="h800", planner_warmup_steps=0,
+        stream_embeddings=True,
+    )  # fmt: skip
+    plan = tr.make_plan()
+    cm = tr.lazy_cost_model
+    assert plan.source == "milp" and plan.stream_embeddings
+    ev = milp.evaluate_plan(plan, cm)
+    assert plan.predicted["peak_gpu_bytes"] == ev.peak_gpu_bytes
+    assert plan.predicted["step_time_s"] == pytest.approx(ev.step_time_s, rel=1e-9)
+    assert cm.stream_embeddings  # the cost model the baselines and the simulator are given streams them too
