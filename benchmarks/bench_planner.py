@@ -10,10 +10,11 @@ serial CPU optimizer); "mt ovl" is the same with the backward fetches overlapped
 
 Prints three tables at seq 1024:
 1. at a fixed micro-batch per hardware (and the paper's MetaMathQA point, Qwen3.6-27B on h800 at batch 72): TFLOPS
-   of the MILP plan and of megatrain in the hardware convention (``tflops``: useful FLOPs, recomputation excluded)
+   of the MILP plan (the embedding and head resident or streamed, whichever is faster: "emb") and of megatrain in the hardware convention (``tflops``: useful FLOPs, recomputation excluded)
    and in MegaTrain's ``6 * N * B * T`` convention (``tflops_6n``), and the ratio;
 2. the largest feasible micro-batch of each (budget: 90% of device memory; MILP: activations on the device or in
-   pinned host memory, and "gpu only": on the device only, as megatrain);
+   pinned host memory, and "gpu only": on the device only, as megatrain; both the larger of the embedding and head
+   resident or streamed, as ``lazytrain plan --stream-embeddings auto`` plans; "gpu res": device only, resident);
 3. the ratio at megatrain's own largest batch (both plans at that batch).
 
 The ratio is the same in both conventions: at one sequence length both numerators are proportional to the tokens of
@@ -33,6 +34,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lazytrain_hf.planner import baselines, milp  # noqa: E402
 from lazytrain_hf.planner.costmodel import CostModel  # noqa: E402
 from lazytrain_hf.planner.hardware import get_profile  # noqa: E402
+from lazytrain_hf.planner.memmodel import with_streamed_embeddings  # noqa: E402
 from lazytrain_hf.planner.simulate import simulate  # noqa: E402
 from lazytrain_hf.planner.zoo import ZOO_MODELS, get_config  # noqa: E402
 
@@ -46,14 +48,25 @@ def tflops_6n(cm: CostModel, step_s: float) -> float:
 
 
 def solve(cm: CostModel, args: argparse.Namespace):
+    """The MILP plan at the default budgets with the embedding and head resident and streamed, the one with the higher
+    predicted tokens/s kept (resident on a tie), as ``lazytrain plan --stream-embeddings auto`` chooses."""
     gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
     t0 = time.perf_counter()
-    try:
-        plan = milp.solve(cm, gpu_budget=gpu, host_budget=host, time_limit=args.time_limit, solver=args.solver)
-    except milp.PlanInfeasibleError as e:
-        need = "-" if e.min_gpu_budget is None else f"{e.min_gpu_budget / 2**30:.1f} GiB"
+    plans, needs = [], []
+    for on in (False, True):
+        try:
+            plans.append(
+                milp.solve(
+                    with_streamed_embeddings(cm, on), gpu_budget=gpu, host_budget=host, time_limit=args.time_limit,
+                    solver=args.solver,
+                )
+            )  # fmt: skip
+        except milp.PlanInfeasibleError as e:
+            needs.append(e.min_gpu_budget)
+    if not plans:
+        need = "-" if None in needs else f"{min(needs) / 2**30:.1f} GiB"
         return None, need, time.perf_counter() - t0
-    return plan, "", time.perf_counter() - t0
+    return max(plans, key=lambda p: p.predicted["tokens_per_s"]), "", time.perf_counter() - t0
 
 
 def row(cm: CostModel, model: str, hw: str, args: argparse.Namespace) -> str:
@@ -68,7 +81,8 @@ def row(cm: CostModel, model: str, hw: str, args: argparse.Namespace) -> str:
         cells.append(f"{'infeasible, needs ' + need:>33}")
     else:
         p = plan.predicted
-        err = (p["step_time_s"] - simulate(plan, cm).step_time_s) / p["step_time_s"]
+        sim = simulate(plan, with_streamed_embeddings(cm, plan.stream_embeddings))
+        err = (p["step_time_s"] - sim.step_time_s) / p["step_time_s"]
         cells.append(f"{p['tflops']:>7.1f} {tflops_6n(cm, p['step_time_s']):>7.1f} {100 * err:>+7.2f}%")
     if mt is None:
         peak = baselines.evaluate_megatrain(cm).peak_gpu_bytes
@@ -83,7 +97,8 @@ def row(cm: CostModel, model: str, hw: str, args: argparse.Namespace) -> str:
     else:
         cells.append(f"{'-':>7} {'-':>7}")
     status = f"{plan.solver['name']} {plan.solver['status']}" if plan is not None else "-"
-    cells.append(f"{status:>18} {solve_s:>6.1f}")
+    emb = "-" if plan is None else ("str" if plan.stream_embeddings else "res")
+    cells.append(f"{status:>18} {emb:>4} {solve_s:>6.1f}")
     return " ".join(cells)
 
 
@@ -113,7 +128,7 @@ def main() -> None:
 
     head = (
         f"{'model':<14} {'hw':<8} {'B':>3} {'milp':>7} {'6N':>7} {'sim err':>8} {'mt':>7} {'6N':>7} {'mt ovl':>7} "
-        f"{'mt GB':>7} {'ratio':>7} {'r ovl':>7} {'solver':>18} {'solve s':>6}"
+        f"{'mt GB':>7} {'ratio':>7} {'r ovl':>7} {'solver':>18} {'emb':>4} {'solve s':>6}"
     )
     print(f"1. TFLOPS at seq {args.seq_len}: MILP (stage model) vs megatrain (its executor's model); ratio = step "
           "time megatrain / MILP, the same in both conventions")  # fmt: skip
@@ -131,7 +146,7 @@ def main() -> None:
     print(f"\n2./3. Largest feasible micro-batch at seq {args.seq_len} (budget 90% of device memory; cap "
           f"{args.max_batch_size}) and the ratio at megatrain's largest batch")  # fmt: skip
     head = (
-        f"{'model':<14} {'hw':<8} {'milp':>6} {'gpu only':>8} {'megatrain':>9} {'gain':>6} {'milp@Bmt':>8} {'mt@Bmt':>7} "
+        f"{'model':<14} {'hw':<8} {'milp':>6} {'gpu only':>8} {'gpu res':>7} {'megatrain':>9} {'gain':>6} {'milp@Bmt':>8} {'mt@Bmt':>7} "
         f"{'6N milp':>7} {'6N mt':>7} {'ratio':>7} {'search s':>8}"
     )
     print(head)
@@ -141,20 +156,19 @@ def main() -> None:
             cm = CostModel.from_config(get_config(model), hw, args.seq_len, 1, model_name=model)
             gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
             t0 = time.perf_counter()
-            b_milp = milp.max_feasible_batch(
-                lambda b, cm=cm, gpu=gpu, host=host: milp.milp_feasible(
-                    cm.with_batch(b), gpu, host, solver=args.solver
-                ),
-                args.max_batch_size,
-            )
-            b_gpu = milp.max_feasible_batch(
-                lambda b, cm=cm, gpu=gpu, host=host: milp.milp_feasible(
-                    cm.with_batch(b), gpu, host, allowed_tiers=("gpu",), solver=args.solver
-                ),
-                args.max_batch_size,
-            )
+            largest = {}  # (tiers, embedding and head streamed) -> largest feasible micro-batch
+            for tiers in (("gpu", "cpu"), ("gpu",)):
+                for on in (False, True):
+                    largest[tiers, on] = milp.max_feasible_batch(
+                        lambda b, cm=with_streamed_embeddings(cm, on), gpu=gpu, host=host, tiers=tiers: (
+                            milp.milp_feasible(cm.with_batch(b), gpu, host, allowed_tiers=tiers, solver=args.solver)
+                        ),
+                        args.max_batch_size,
+                    )
+            b_milp = max(largest[("gpu", "cpu"), on] for on in (False, True))
+            b_gpu, b_res = max(largest[("gpu",), on] for on in (False, True)), largest[("gpu",), False]
             b_mt = baselines.max_batch_size("megatrain", cm, gpu, host, args.max_batch_size)
-            cells = f"{model:<14} {hw:<8} {b_milp:>6} {b_gpu:>8} {b_mt:>9} {b_milp - b_mt:>+6}"
+            cells = f"{model:<14} {hw:<8} {b_milp:>6} {b_gpu:>8} {b_res:>7} {b_mt:>9} {b_milp - b_mt:>+6}"
             if b_mt:
                 cmb = cm.with_batch(b_mt)
                 plan, _, _ = solve(cmb, args)

@@ -126,6 +126,13 @@ def make_parser() -> argparse.ArgumentParser:
         help="micro-batches per optimizer step (default 1); with --world-size the plan decides whether gradients "
         "are reduced every micro-batch or once per step",
     )
+    p.add_argument(
+        "--stream-embeddings",
+        choices=("off", "on", "auto"),
+        default="off",
+        help="the embedding and head resident on the device (off, the default), streamed like a layer (on), or "
+        "planned both ways, keeping the faster plan (auto; each way gets half of --search-time-limit)",
+    )
     p.set_defaults(func=cmd_plan)
 
     p = sub.add_parser("simulate", help="replay a saved plan JSON on a hardware profile")
@@ -172,7 +179,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
     from .planner import baselines as bl
     from .planner import milp
     from .planner.costmodel import CostModel
-    from .planner.memmodel import with_accumulation
+    from .planner.memmodel import with_accumulation, with_streamed_embeddings
     from .planner.simulate import draw_timeline, simulate
 
     t_cmd = time.perf_counter()
@@ -206,9 +213,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
             solver=args.solver,
             # the whole command within --search-time-limit: less what loading the config took, less the baseline
             # comparisons after the search
-            search_time_limit=max(1.0, args.search_time_limit - (time.perf_counter() - t_cmd) - _AFTER_SEARCH_S),
+            search_time_limit=max(1.0, args.search_time_limit - (time.perf_counter() - t_cmd) - _AFTER_SEARCH_S)
+            / (2 if args.stream_embeddings == "auto" else 1),
             world=world if world.world_size > 1 else None,
             gradient_accumulation_steps=args.gradient_accumulation_steps,
+            stream_embeddings={"off": False, "on": True, "auto": None}[args.stream_embeddings],
         )
     cfg, _ = milp._resolve_config(args.model)
     cm = CostModel.from_config(cfg, hw, args.seq_len, plan.micro_batch_size, model_name=plan.model)
@@ -222,7 +231,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
         max_bs["milp"] = int(plan.predicted["max_batch_size"])
     else:
         max_bs["milp"] = milp.max_feasible_batch(
-            lambda b: milp.milp_feasible(cm.with_batch(b), gpu, host, args.nvme_budget, args.tiers),
+            lambda b: milp.milp_feasible(
+                with_streamed_embeddings(cm.with_batch(b), plan.stream_embeddings), gpu, host, args.nvme_budget,
+                args.tiers,
+            ),
             args.max_batch_size,
         )
     for name in bl.BASELINES:

@@ -285,3 +285,20 @@ def test_plan_world_with_gradient_accumulation_decides_how_often_to_reduce(capsy
     code, out, _ = run(capsys, *argv)
     assert code == 0 and "micro-batch(es)" in out
     assert ("once per optimizer step" in out) == (w["dp_reduce_every"] == "step")
+
+
+def test_plan_stream_embeddings_auto_streams_where_only_that_fits(capsys):
+    """``--stream-embeddings``: at a device budget below the least peak with Qwen2.5-7B's (untied) embedding and head
+    resident (6.03 GiB at batch 4, device tier only), ``off`` refuses naming the budget it needs, ``on`` and ``auto``
+    plan them streamed (4.58 GiB), and the plan printed is the one that fits."""
+    argv = ["plan", "--model", "qwen2.5-7b", "--hardware", "rtx3090", "--seq-len", "1024", "--batch-size", "4"]
+    argv += ["--tiers", "gpu", "--gpu-budget", "5.5GiB", "--time-limit", "10", "--json"]
+    code, out, err = run(capsys, *argv)
+    assert code != 0 and "min_gpu_budget=" in err
+    for choice in ("on", "auto"):
+        code, out, err = run(capsys, *argv, "--stream-embeddings", choice)
+        assert code == 0, err
+        data = json.loads(out)
+        assert data["plan"]["stream_embeddings"] is True
+        assert data["predicted"]["peak_gpu_bytes"] <= 5.5 * 2**30
+        assert data["max_batch_size"]["milp"] >= 4

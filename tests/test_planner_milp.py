@@ -104,15 +104,20 @@ def enumerate_plans(cm: CostModel, lookahead: int | None):
         )
 
 
-def brute_force(cm: CostModel, gpu: int, host: int, lookahead: int | None) -> tuple[float | None, int]:
-    best, min_peak = None, None
+def brute_force(cm: CostModel, gpu: int, host: int, lookahead: int | None) -> tuple[float | None, int, int | None]:
+    """(fastest step that fits, least peak of any plan, least peak among the plans as fast as the fastest)."""
+    fits, min_peak = [], None
     for plan in enumerate_plans(cm, lookahead):
         ev = milp.evaluate_plan(plan, cm)
         if ev.pinned_host_bytes <= host:
             min_peak = ev.peak_gpu_bytes if min_peak is None else min(min_peak, ev.peak_gpu_bytes)
-            if ev.peak_gpu_bytes <= gpu and (best is None or ev.step_time_s < best):
-                best = ev.step_time_s
-    return best, min_peak
+            if ev.peak_gpu_bytes <= gpu:
+                fits.append((ev.step_time_s, ev.peak_gpu_bytes))
+    if not fits:
+        return None, min_peak, None
+    best = min(t for t, _ in fits)
+    fastest_peak = min(p for t, p in fits if t <= best * (1 + 1e-9))
+    return best, min_peak, fastest_peak
 
 
 def _solve(cm, gpu, host, lookahead):
@@ -120,21 +125,35 @@ def _solve(cm, gpu, host, lookahead):
     return milp.solve(cm, gpu_budget=gpu, host_budget=host, **kw)
 
 
+@pytest.mark.parametrize("embeddings", ["resident", "streamed", "streamed_tied"])
 @pytest.mark.parametrize("L,lookahead", [(5, None), (3, 1)])
-def test_milp_equals_brute_force_in_three_regimes(L, lookahead):
-    cm = hand_made(L)
+def test_milp_equals_brute_force_in_three_regimes(L, lookahead, embeddings):
+    """The MILP's optimum is the best plan of its domain by the stage model (`evaluate_plan`), with the embedding and
+    head resident or streamed (`memmodel.with_streamed_embeddings`: their slots, transient gradients and the
+    lookup's moments in place of the resident weights and held gradients). Streamed, the embedding and head are as
+    large as 2-4 layers (a large vocabulary), so their terms decide which plans fit (with the head stage's slots and
+    the lookup's moment left out of the MILP, this test fails)."""
+    from lazytrain_hf.planner.memmodel import with_streamed_embeddings
+
+    streamed = embeddings != "resident"
+    cm = with_streamed_embeddings(hand_made(L), streamed)
+    if streamed:
+        cm.embed_params = 2 * GB
+        cm.head_params = 0 if embeddings == "streamed_tied" else 2 * GB
     host = 3 * GB
     huge = 10**15
     # regime 1: nothing needs saving
-    best, min_peak = brute_force(cm, huge, host, lookahead)
+    best, min_peak, fastest_peak = brute_force(cm, huge, host, lookahead)
     plan = _solve(cm, huge, host, lookahead)
     assert plan.source == "milp" and plan.solver["status"] == "optimal"
+    assert plan.stream_embeddings is streamed
     assert plan.predicted["step_time_s"] == pytest.approx(best, rel=1e-6)
     assert plan.solver["objective"] == pytest.approx(best, rel=1e-6)  # objective == stage-model evaluation
-    # regime 2: the unconstrained optimum does not fit; something must be offloaded or recomputed
-    free_peak = plan.predicted["peak_gpu_bytes"]
-    tight = (free_peak + min_peak) // 2
-    best_tight, _ = brute_force(cm, tight, host, lookahead)
+    # regime 2: no plan as fast as the unconstrained optimum fits; something must be offloaded or recomputed (the
+    # budget lies below the least peak of the fastest plans, not of the one the solver returned: several can tie)
+    assert min_peak < fastest_peak <= plan.predicted["peak_gpu_bytes"]
+    tight = (fastest_peak + min_peak) // 2
+    best_tight, _, _ = brute_force(cm, tight, host, lookahead)
     plan_tight = _solve(cm, tight, host, lookahead)
     assert plan_tight.predicted["step_time_s"] == pytest.approx(best_tight, rel=1e-6)
     assert plan_tight.predicted["peak_gpu_bytes"] <= tight

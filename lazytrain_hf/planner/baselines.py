@@ -391,6 +391,7 @@ def baseline_plan(name: str, cost_model: CostModel, *, checkpoint_every: int = M
         block_graphs="layer" if name == "megatrain" else "block",
         # MegaTrain and MegaTrain-Plus clip and step after backward with the device idle (examples/sft/train.py)
         optimizer_overlap=name not in ("megatrain", "megatrain_plus"),
+        stream_embeddings=cm.stream_embeddings,
     )
 
 

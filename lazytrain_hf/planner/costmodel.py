@@ -570,13 +570,14 @@ class CostModel:
         if self.measured:
             s = micro_batch_size / self.micro_batch_size
             new = new.with_measured_times([lc.fwd_s * s for lc in self.layers], [lc.bwd_s * s for lc in self.layers])
-        new.state_nvme, new.accumulation_steps = self.state_nvme, self.accumulation_steps
+        for k in ("state_nvme", "accumulation_steps", "stream_embeddings"):
+            setattr(new, k, getattr(self, k))
         return new
 
-    # ------------------------------------------------------------------ training state on NVMe
-    # decoder layers whose training state is on NVMe (plan.state_nvme), set by `with_state_nvme`
-    state_nvme: frozenset = frozenset()
+    # ------------------------------------------------------------------ training state on NVMe, step shape
+    state_nvme: frozenset = frozenset()  # decoder layers whose training state is on NVMe (`with_state_nvme`)
     accumulation_steps: int = 1  # micro-batches per optimizer step (memmodel.with_accumulation, carried_grad_bytes)
+    stream_embeddings: bool = False  # plans stream the embedding and head (memmodel.with_streamed_embeddings)
 
     def with_state_nvme(self, keys) -> CostModel:
         """A copy in which the decoder layers ``keys`` keep their training state on NVMe

@@ -43,6 +43,7 @@ from .memmodel import (
     grads_leave_next_stage,
     held_grad_bytes,
     pool_slots,
+    streamed_head_terms,
 )
 from .plan import BLOCK_GRAPHS, Plan
 from .stages import (
@@ -78,6 +79,7 @@ class _Model:
     blk: dict[tuple[int, str], Any]  # (K, Plan.block_graphs) -> binary (block checkpointing every K layers)
     pool: dict[str, Any]  # layer kind -> GiB of its slot pool (continuous)
     many: dict[str, Any]  # layer kind -> binary: at least two of its layers stream
+    stream_embeddings: bool = False  # the model's embedding and head are streamed units (cm.stream_embeddings)
 
 
 def _var(prob: Any, name: str, cat: str = "Binary") -> Any:
@@ -165,7 +167,8 @@ def build_milp(
     # at least two layers of kind k stream (the pool then has at least two slots)
     pool = {k: _var(prob, f"pool_{n}", "Continuous") for n, k in enumerate(kinds)}
     many = {k: _var(prob, f"many_{n}") for n, k in enumerate(kinds)} if allow_resident else {}
-    model = _Model(prob, opt, res, yF, yB, yR, T, T_tail, blk, pool, many)
+    streamed = bool(getattr(cm, "stream_embeddings", False))
+    model = _Model(prob, opt, res, yF, yB, yR, T, T_tail, blk, pool, many, streamed)
     blocked = pulp.lpSum(blk.values())  # 1: the plan is block checkpointed
 
     # ------------------------------------------------------------------ [Constraint] one choice per decision
@@ -290,19 +293,30 @@ def build_milp(
             for s, v in terms[name]:
                 rows[s].append((v, z))
     const_comp[L] += cm.head_s
-    const_mem[L] += cm.head_ws_bytes
-    # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
-    head_held, embed_held = held_grad_bytes(cm)
-    for s in range(L, S):
-        const_mem[s] += head_held
-    const_mem[S] += head_held + embed_held + end_of_backward_bytes(cm)  # the norm's fp32 copy, or a new gradient
-    carried_head, carried_embed = carried_grad_bytes(cm)  # under gradient accumulation: the earlier micro-batches'
-    for s in range(S):
-        const_mem[s] += carried_embed + (carried_head if s <= L else 0)  # memmodel.carried_grad_bytes
+    moments: list[tuple[int, int]] = []  # (stage, bytes beyond the resident weights and pools at a point inside it)
+    if streamed:  # memmodel.streamed_head_terms (as `evaluate_plan`): transient slots, gradients leave as a layer's
+        t = streamed_head_terms(cm)
+        const_mem[L] += t["head_slots"] + max(cm.head_ws_bytes, t["head_done"])
+        for s in range(L, (2 * L if not cm.head_params else L + int(late_grads)) + 1):  # tied: held to B_0's end
+            const_mem[s] += t["head_grad"]
+        if late_grads:
+            const_mem[S] += cm.embed_grad_bytes
+        moments.append((0, t["embed_fwd"]))  # the lookup, before layer 0's forward
+        moments.append((2 * L, t["embed_done"] + (cm.layers[0].grad_bytes if late_grads else 0)))
+    else:
+        const_mem[L] += cm.head_ws_bytes
+        # gradients of the parameters that are not streamed stay on the device until the optimizer step (memmodel)
+        head_held, embed_held = held_grad_bytes(cm)
+        for s in range(L, S):
+            const_mem[s] += head_held
+        const_mem[S] += head_held + embed_held + end_of_backward_bytes(cm)  # the norm's fp32 copy, or a new gradient
+        carried_head, carried_embed = carried_grad_bytes(cm)  # under gradient accumulation: the earlier micro-batches'
+        for s in range(S):
+            const_mem[s] += carried_embed + (carried_head if s <= L else 0)  # memmodel.carried_grad_bytes
     const_d2h[L + 1] += cm.head_grad_bytes
     if cm.head_bytes and L >= 1:
         const_h2d[L - 1] += cm.head_bytes
-    fixed = cm.fixed_device_bytes
+    fixed = 0 if streamed else cm.fixed_device_bytes  # the resident embedding and head
     for k in kinds:  # the slot pools, every stage and the tail
         for s in range(S + 1):
             mem[s].append((GIB, pool[k]))
@@ -391,9 +405,14 @@ def build_milp(
     # ------------------------------------------------------------------ [Constraint] memory
     # Memory rows in GiB: byte-sized coefficients (1e9-1e11) next to 0/1 variables hurt the solvers' tolerances.
     mem_exprs = [expr(mem[s], 1 / GIB, fixed + const_mem[s]) for s in range(S + 1)]
+    # points inside a stage its total does not cover (the streamed embedding's lookup and completion): the resident
+    # weights and slot pools with the moment's own bytes
+    always = [(lc.weight_bytes, res[i]) for i, lc in enumerate(cm.layers) if allow_resident]
+    always += [(GIB, pool[k]) for k in kinds]
+    mem_exprs += [expr(always, 1 / GIB, fixed + nbytes) for _, nbytes in moments]
     if gpu_budget is not None:
-        for s in range(S + 1):
-            prob += mem_exprs[s] <= gpu_budget / GIB, f"gpu_memory_{s}"
+        for s, row in enumerate(mem_exprs):
+            prob += row <= gpu_budget / GIB, f"gpu_memory_{s}"
     pinned_terms, nvme_terms = [], []
     for i in range(L):
         for o, v in opt[i].items():
@@ -414,8 +433,8 @@ def build_milp(
     else:
         # Objective: peak device bytes (used to find the smallest GPU budget that admits a plan).
         peak = _var(prob, "peak_gpu_gib", "Continuous")
-        for s in range(S + 1):
-            prob += peak >= mem_exprs[s], f"peak_{s}"
+        for s, row in enumerate(mem_exprs):
+            prob += peak >= row, f"peak_{s}"
         prob += peak, "peak_gpu_gib"
     return model
 
@@ -455,6 +474,8 @@ def set_warm_start(model: _Model, plan: Plan, lookahead: int, cm: CostModel | No
     L = len(model.opt)
     K = plan.checkpoint_every
     if K > 1 and (K, plan.block_graphs) not in model.blk:
+        return False
+    if bool(plan.stream_embeddings) != model.stream_embeddings:
         return False
     values: list[tuple[Any, float]] = [(z, 1.0 if k == (K, plan.block_graphs) else 0.0) for k, z in model.blk.items()]
     for i in range(L):

@@ -213,6 +213,15 @@ def with_accumulation(cm: Any, steps: int) -> Any:
     return new
 
 
+def with_streamed_embeddings(cm: Any, on: bool = True) -> Any:
+    """A copy of cost model ``cm`` whose plans stream the embedding and head (``Plan.stream_embeddings``,
+    `streamed_head_terms`) when ``on``: every plan made from it (`stages.plan_from_options`, the baselines, the MILP's)
+    carries the flag, and the MILP charges the streamed units in place of the resident weights and held gradients."""
+    new = copy.copy(cm)
+    new.stream_embeddings = bool(on)
+    return new
+
+
 def carried_grad_bytes(cm: Any) -> tuple[int, int]:
     """``(the lm_head's, the embedding's)`` gradient bytes held on the device from the first micro-batch of an
     optimizer step through the forward and backward of the others (gradient accumulation,

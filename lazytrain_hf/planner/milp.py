@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from . import dpreduce
@@ -30,7 +30,7 @@ from .costmodel import CostModel
 from .formulation import GIB, build_milp, extract_plan, set_warm_start
 from .hardware import HardwareProfile, get_profile
 from .heuristics import heuristic_plan, min_memory_plan
-from .memmodel import with_accumulation
+from .memmodel import with_accumulation, with_streamed_embeddings
 from .outcome import PlannerFallbackWarning, settle
 from .plan import Plan
 from .search import batch_candidates, fastest_plan_bounded, max_feasible_batch
@@ -315,6 +315,21 @@ def milp_feasible(
 
 
 # ------------------------------------------------------------------------------------------------ entry point
+def _either_embeddings(plan_with: Callable[[bool], Plan]) -> Plan:
+    """The better of ``plan_with(False)`` (resident embedding and head) and ``plan_with(True)`` (streamed): the higher
+    predicted tokens/s, resident on a tie; the one that fits where only one does (`plan_for_model`)."""
+    plans, errors = [], []
+    for on in (False, True):
+        try:
+            plans.append(plan_with(on))
+        except PlanInfeasibleError as e:
+            errors.append(e)
+    if not plans:
+        e = errors[-1]
+        raise PlanInfeasibleError(f"{e} (with the embedding and head streamed too)", e.min_gpu_budget) from e
+    return max(plans, key=lambda p: p.predicted["tokens_per_s"])  # max keeps the first (resident) on a tie
+
+
 def _resolve_config(config: Any) -> tuple[Any, str]:
     """``(model config, model name)`` of an HF config (or a model holding one), a zoo name or a config path."""
     from .zoo import ZooConfig, load_config
@@ -354,6 +369,7 @@ def plan_for_model(
     search_time_limit: float = 60,
     world: World | None = None,
     gradient_accumulation_steps: int = 1,
+    stream_embeddings: bool | None = False,
 ) -> Plan:
     """Plan training of ``config`` on ``hardware`` (the entry point the trainer uses).
 
@@ -378,7 +394,15 @@ def plan_for_model(
         gradient_accumulation_steps: micro-batches per optimizer step: the resident gradients held through them
             (`memmodel.carried_grad_bytes`), the world's decision of how often the gradients are reduced
             (``dp_reduce_every``, `dpreduce.decide`) and its ``bytes_per_step``.
+        stream_embeddings: plan with the embedding and head streamed (True, ``Plan.stream_embeddings``), resident
+            (False), or ``None``: plan both (each with the full time limits) and keep the one with the higher
+            predicted tokens/s (resident on a tie; the one that fits where only one does). Streaming frees their
+            weights and held gradients on the device (`memmodel.streamed_head_terms`): 7.1 GiB for Qwen3.6-27B.
     """
+    if stream_embeddings is None:
+        args = dict(locals())
+        del args["stream_embeddings"]
+        return _either_embeddings(lambda on: plan_for_model(**args, stream_embeddings=on))
     t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
     hw = get_profile(hardware)
@@ -405,6 +429,7 @@ def plan_for_model(
         base = base.with_measured_times(list(measured_times[0]), list(measured_times[1]))
     if state_nvme:
         base = base.with_state_nvme(state_nvme)
+    base = with_streamed_embeddings(base, stream_embeddings)
     base = for_world(with_accumulation(base, gradient_accumulation_steps), world)
     host_state = base.host_state_bytes if world is None else world_host_state_bytes(base, world)
     if host_state > hw.host_memory_bytes:

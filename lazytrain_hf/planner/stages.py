@@ -405,6 +405,7 @@ def plan_from_options(
             )
         )
     kwargs.setdefault("loss_chunk_tokens", cm.loss_chunk_tokens)
+    kwargs.setdefault("stream_embeddings", bool(getattr(cm, "stream_embeddings", False)))
     return Plan(
         layers=layers,
         micro_batch_size=cm.micro_batch_size,

@@ -41,6 +41,7 @@ def start_candidates(
             continue  # a unit whose state is on NVMe is never resident: not a point of the model
         plan = Plan.from_dict(plan.to_dict())
         plan.optimizer_overlap = True
+        plan.stream_embeddings = cm.stream_embeddings  # the layers' decisions hold either way (the model's flag)
         plan.micro_batch_size, plan.seq_len = cm.micro_batch_size, cm.seq_len
         ev = evaluate_plan(plan, cm)
         if fits_budgets(ev, gpu_budget, host_budget, nvme_budget):

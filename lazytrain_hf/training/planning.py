@@ -148,6 +148,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
             measured_times=measured,
             state_nvme=[k for k in state_keys if 0 <= k < len(kinds)],
             gradient_accumulation_steps=int(a.gradient_accumulation_steps),
+            stream_embeddings=bool(a.stream_embeddings),
             **common,
         )
     # the cost model of the batch the plan trains with (auto batch size may have changed it): the baselines and
@@ -159,6 +160,7 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
     if measured is not None and plan_mbs == mbs:
         cm = cm.with_measured_times(*measured)
     cm = memmodel.with_accumulation(cm, a.gradient_accumulation_steps)
+    cm = memmodel.with_streamed_embeddings(cm, bool(a.stream_embeddings))  # the plans stream them too
     if a.planner_policy != "milp":
         plan = baselines.make_baseline(a.planner_policy, cm)
     plan.loss_chunk_tokens = a.stream_loss_chunk_tokens
