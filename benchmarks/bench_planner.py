@@ -10,12 +10,15 @@ serial CPU optimizer); "mt ovl" is the same with the backward fetches overlapped
 
 Prints three tables at seq 1024:
 1. at a fixed micro-batch per hardware (and the paper's MetaMathQA point, Qwen3.6-27B on h800 at batch 72): TFLOPS
-   of the MILP plan (the embedding and head resident or streamed, whichever is faster: "emb") and of megatrain in the hardware convention (``tflops``: useful FLOPs, recomputation excluded)
-   and in MegaTrain's ``6 * N * B * T`` convention (``tflops_6n``), and the ratio;
+   of the MILP plan (the embedding and head resident or streamed, whichever is faster: "emb") and of megatrain in
+   the hardware convention (``tflops``: useful FLOPs, recomputation excluded) and in MegaTrain's ``6 * N * B * T``
+   convention (``tflops_6n``), and the ratio; and the strongest baseline of `baselines.BASELINES` run by our executor
+   (megatrain, megatrain_plus, slideformer, ...: the fastest that fits) with its step over the MILP's, both replayed
+   by the simulator;
 2. the largest feasible micro-batch of each (budget: 90% of device memory; MILP: activations on the device or in
    pinned host memory, and "gpu only": on the device only, as megatrain; both the larger of the embedding and head
    resident or streamed, as ``lazytrain plan --stream-embeddings auto`` plans; "gpu res": device only, resident);
-3. the ratio at megatrain's own largest batch (both plans at that batch).
+3. the ratio at megatrain's own largest batch (both plans at that batch), and to the strongest baseline there.
 
 The ratio is the same in both conventions: at one sequence length both numerators are proportional to the tokens of
 a step (printed once).
@@ -99,7 +102,26 @@ def row(cm: CostModel, model: str, hw: str, args: argparse.Namespace) -> str:
     status = f"{plan.solver['name']} {plan.solver['status']}" if plan is not None else "-"
     emb = "-" if plan is None else ("str" if plan.stream_embeddings else "res")
     cells.append(f"{status:>18} {emb:>4} {solve_s:>6.1f}")
+    name, best_s = strongest_baseline(cm)
+    if plan is not None and best_s is not None:
+        cells.append(f"{name:>18} {best_s / sim.step_time_s:>6.2f}x")
+    else:
+        cells.append(f"{name or 'none fits':>18} {'-':>7}")
     return " ".join(cells)
+
+
+def strongest_baseline(cm: CostModel) -> tuple[str | None, float | None]:
+    """The fastest plan of `baselines.BASELINES` (run by our executor, the embedding and head resident) that fits the
+    default budgets by the stage model, and its step time replayed by the simulator (``(None, None)``: none fits)."""
+    gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
+    best: tuple[str | None, float | None] = (None, None)
+    for name in baselines.BASELINES:
+        plan = baselines.baseline_plan(name, cm)
+        if baselines.fits(plan, cm, gpu, host):
+            t = simulate(plan, cm).step_time_s
+            if best[1] is None or t < best[1]:
+                best = (name, t)
+    return best
 
 
 def main() -> None:
@@ -128,10 +150,12 @@ def main() -> None:
 
     head = (
         f"{'model':<14} {'hw':<8} {'B':>3} {'milp':>7} {'6N':>7} {'sim err':>8} {'mt':>7} {'6N':>7} {'mt ovl':>7} "
-        f"{'mt GB':>7} {'ratio':>7} {'r ovl':>7} {'solver':>18} {'emb':>4} {'solve s':>6}"
+        f"{'mt GB':>7} {'ratio':>7} {'r ovl':>7} {'solver':>18} {'emb':>4} {'solve s':>6} {'strongest':>18} "
+        f"{'vs it':>7}"
     )
     print(f"1. TFLOPS at seq {args.seq_len}: MILP (stage model) vs megatrain (its executor's model); ratio = step "
-          "time megatrain / MILP, the same in both conventions")  # fmt: skip
+          "time megatrain / MILP, the same in both conventions; strongest: the fastest baseline run by our executor "
+          "that fits, 'vs it' its step / the MILP's, both replayed by the simulator")  # fmt: skip
     print(head)
     print("-" * len(head))
     for hw in hardware:
@@ -146,8 +170,9 @@ def main() -> None:
     print(f"\n2./3. Largest feasible micro-batch at seq {args.seq_len} (budget 90% of device memory; cap "
           f"{args.max_batch_size}) and the ratio at megatrain's largest batch")  # fmt: skip
     head = (
-        f"{'model':<14} {'hw':<8} {'milp':>6} {'gpu only':>8} {'gpu res':>7} {'megatrain':>9} {'gain':>6} {'milp@Bmt':>8} {'mt@Bmt':>7} "
-        f"{'6N milp':>7} {'6N mt':>7} {'ratio':>7} {'search s':>8}"
+        f"{'model':<14} {'hw':<8} {'milp':>6} {'gpu only':>8} {'gpu res':>7} {'megatrain':>9} {'gain':>6} "
+        f"{'milp@Bmt':>8} {'mt@Bmt':>7} "
+        f"{'6N milp':>7} {'6N mt':>7} {'ratio':>7} {'strongest':>15} {'vs it':>7} {'search s':>8}"
     )
     print(head)
     print("-" * len(head))
@@ -159,9 +184,10 @@ def main() -> None:
             largest = {}  # (tiers, embedding and head streamed) -> largest feasible micro-batch
             for tiers in (("gpu", "cpu"), ("gpu",)):
                 for on in (False, True):
+                    scm = with_streamed_embeddings(cm, on)
                     largest[tiers, on] = milp.max_feasible_batch(
-                        lambda b, cm=with_streamed_embeddings(cm, on), gpu=gpu, host=host, tiers=tiers: (
-                            milp.milp_feasible(cm.with_batch(b), gpu, host, allowed_tiers=tiers, solver=args.solver)
+                        lambda b, scm=scm, gpu=gpu, host=host, tiers=tiers: milp.milp_feasible(
+                            scm.with_batch(b), gpu, host, allowed_tiers=tiers, solver=args.solver
                         ),
                         args.max_batch_size,
                     )
@@ -173,14 +199,19 @@ def main() -> None:
                 cmb = cm.with_batch(b_mt)
                 plan, _, _ = solve(cmb, args)
                 mt = baselines.make_baseline("megatrain", cmb).predicted
+                name, best_s = strongest_baseline(cmb)
                 if plan is not None:
                     p = plan.predicted
+                    sim_s = simulate(plan, with_streamed_embeddings(cmb, plan.stream_embeddings)).step_time_s
+                    vs = f"{best_s / sim_s:>6.2f}x" if best_s is not None else f"{'-':>7}"
                     cells += (
                         f" {p['tflops']:>8.1f} {mt['tflops']:>7.1f} {tflops_6n(cmb, p['step_time_s']):>7.1f} "
-                        f"{mt['tflops_6n']:>7.1f} {mt['step_time_s'] / p['step_time_s']:>6.2f}x"
+                        f"{mt['tflops_6n']:>7.1f} {mt['step_time_s'] / p['step_time_s']:>6.2f}x {name or '-':>15} {vs}"
                     )
                 else:
-                    cells += f" {'-':>8} {mt['tflops']:>7.1f} {'-':>7} {mt['tflops_6n']:>7.1f} {'-':>7}"
+                    cells += (
+                        f" {'-':>8} {mt['tflops']:>7.1f} {'-':>7} {mt['tflops_6n']:>7.1f} {'-':>7} {'-':>15} {'-':>7}"
+                    )
             print(cells + f" {time.perf_counter() - t0:>8.1f}", flush=True)
 
 
