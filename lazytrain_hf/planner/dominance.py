@@ -5,7 +5,7 @@ micro-batch of every baseline of `baselines.BASELINES` that uses only those tier
 of each at a common batch, every plan judged by `simulate.simulate` (the executor's own transfer schedule on lanes),
 not only by the stage model the MILP optimises. A record lists its violations (`DominanceRecord.violations`): the MILP
 fits a smaller batch than a baseline, or is slower than one at the common batch. Used by
-``tests/test_planner_dominance.py`` and ``benchmarks/bench_planner.py``; imports neither torch nor pulp itself.
+``tests/test_planner_dominance.py`` and ``benchmarks/bench_dominance.py``; imports neither torch nor pulp itself.
 """
 
 from __future__ import annotations
