@@ -175,6 +175,14 @@ def test_partitioned_bf16_compute_copy_gives_every_rank_the_fp32_masters(tmp_pat
     # the masters, not their bf16 rounding: some trained weight is not a bf16 value
     w = got["model.layers.1.self_attn.q_proj.weight"]
     assert not torch.equal(w, w.to(torch.bfloat16).float())
+    # Note: [Masters given back share the node's segment] (training/dataparallel.py): the fp32 model given back to
+    # every rank is one copy per node, read through copy-on-write mappings, not a whole fp32 model in each rank's
+    # own memory (N copies per node at the end of train())
+    print(f"streamed parameters given back: 1 rank {single['given_back']}, 2 ranks {[s['given_back'] for s in ranks]}")
+    model_bytes = single["given_back"]["own"]
+    assert model_bytes > 0 and single["given_back"]["node copy"] == 0
+    for s in ranks:
+        assert s["given_back"] == {"node copy": model_bytes, "own": 0, "node copy written": 0}, s["given_back"]
 
 
 @pytest.mark.slow
