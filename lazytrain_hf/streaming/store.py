@@ -266,6 +266,9 @@ class LayerStore:
     # Note: [The training state is partitioned by unit] (planner/world.py): another rank owns this unit's master,
     # moments and gradient accumulator; this rank holds only its compute copy (``master`` and ``grad`` are None)
     remote: bool = False
+    # Note: [Masters given back share the node's segment] (training/dataparallel.py): ``master`` is a view of the
+    # node's segment of fp32 masters (copy-on-write), given to the parameters as it is by `remove()`
+    masters_shared: bool = False
     layout: LayerLayout | None = None
     # Note: [A frozen parameter keeps its own values]: name -> the original tensor, or (DiskSource, key) when on disk
     frozen_originals: dict[str, object] = field(default_factory=dict, repr=False)

@@ -154,6 +154,8 @@ class PartitionedDataParallel:
             self.device_group = dist.new_group(backend=backend, timeout=timeout)
         run_id = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(run_id, src=0, group=self.norm_group)
+        self.run_id = run_id[0]
+        self.masters_copy: NodeCopy | None = None  # at the end of training (`gather_masters`)
         self.node_copy = NodeCopy(
             run_id[0],
             self.world,
@@ -206,6 +208,9 @@ class PartitionedDataParallel:
         if self.node_copy is not None:
             self.node_copy.close()
             self.node_copy = None
+        if self.masters_copy is not None:  # Note: [Masters given back share the node's segment]
+            self.masters_copy.close()
+            self.masters_copy = None
 
     # ------------------------------------------------------------------ gradients
     def reduce_to_owner(self, unit: int, flat: torch.Tensor, owner: int, last: bool) -> None:
@@ -343,31 +348,65 @@ class PartitionedDataParallel:
 
     # ------------------------------------------------------------------ end of training
     def gather_masters(self, handle, updater) -> None:
-        """Give every rank the fp32 masters of the units it does not own whose compute copy is in another dtype (a
-        bf16 compute copy of an fp32 model), so `StreamHandle.remove()` gives every parameter its fp32 value as on
-        one process (Note: [A bf16 compute copy of an fp32 model] in streaming/hooks.py). Called on every rank, in
-        unit order, after the last update; nothing to do when every compute copy is the masters' dtype."""
+        """Give every rank the fp32 masters of every unit whose compute copy is in another dtype (a bf16 compute copy
+        of an fp32 model), so `StreamHandle.remove()` gives every parameter its fp32 value as on one process (Note:
+        [A bf16 compute copy of an fp32 model] in streaming/hooks.py). Called on every rank, in unit order, after the
+        last update; nothing to do when every compute copy is the masters' dtype.
+
+        Note: [Masters given back share the node's segment]
+            Each rank gets the whole fp32 model back, but not in its own memory: N copies of the fp32 model per node
+            at the end of `train()` (in a run with a bf16 compute copy, the recipe's) is what partitioning the state
+            avoids. The masters go into one more node segment (a `NodeCopy` of their bytes, one version per unit): a
+            unit's owner writes its masters there (from its state file when they are on NVMe), a rank of another
+            node with the owner's local rank receives them by a broadcast in the local-rank group and writes them
+            into its node's segment; each publishes the unit. Every rank waits for every unit, then views it through
+            its copy-on-write mapping (`NodeCopy.private_view`; the layer's ``masters_shared``), which `remove()`
+            gives the parameters as it is (Note: [Parameters given back share the node copy] in
+            streaming/binder.py). The owner's own masters are dropped for the view (the optimizer is done with
+            them). A unit whose state is on NVMe on this rank is left on disk (Note: [Units on NVMe after remove()]
+            in streaming/nvmestate.py). The segment is closed with the node copy (`close`); the parameters keep the
+            private mapping, which outlives it. Test: tests/test_trainer_ddp.py (the bf16 compute copy)."""
         import torch.distributed as dist
 
         updater.wait_all()
+        units = []
         for unit in self.unit_keys:
             ls = handle.store.layers.get(unit)
-            if ls is None or not any(e.trainable and e.orig_dtype is not None for e in ls.entries):
-                continue
-            n = ls.layout.train_elems
+            if ls is not None and any(e.trainable and e.orig_dtype is not None for e in ls.entries):
+                units.append((unit, ls))
+        if not units:
+            return
+        nbytes = sum(align_up(ls.layout.train_elems * 4) for _, ls in units)
+        self.masters_copy = seg = NodeCopy(
+            self.run_id + "-masters",
+            self.world,
+            self.rank,
+            nbytes,
+            len(units),
+            lambda: dist.barrier(group=self.norm_group),
+            False,
+            "the node's fp32 masters",
+        )
+        w, spill = self.world, handle.nvme_state
+        views = [seg.carve(ls.layout.train_elems, torch.float32) for _, ls in units]
+        for j, ((unit, ls), dst) in enumerate(zip(units, views)):
             owner = self.owners[unit]
-            spill = handle.nvme_state
             if owner == self.rank and spill is not None and unit in spill.units:
-                flat = torch.zeros(n, dtype=torch.float32)  # the masters live in the unit's file
-                for e in ls.trainable_entries:
-                    flat.narrow(0, e.elem_offset, e.numel).copy_(spill.read_param(unit, e.name, "master").reshape(-1))
+                for e in ls.trainable_entries:  # the masters live in the unit's file
+                    dst.narrow(0, e.elem_offset, e.numel).copy_(spill.read_param(unit, e.name, "master").reshape(-1))
             elif owner == self.rank:
-                flat = ls.master
-            else:
-                flat = torch.zeros(n, dtype=torch.float32)
-            dist.broadcast(flat, src=owner, group=self.compute_group)
-            if owner != self.rank:
-                ls.master = flat
-                ls.master_views = {
-                    e.name: flat.narrow(0, e.elem_offset, e.numel).view(e.shape) for e in ls.trainable_entries
-                }
+                dst.copy_(ls.master)
+            if w.local_rank(owner) != w.local_rank(self.rank):
+                continue  # another local rank of this node writes it
+            if w.nodes > 1:
+                dist.broadcast(dst, src=owner, group=self.local_groups[w.local_rank(owner)])
+            seg.publish(j, 1)
+        for j, ((unit, ls), dst) in enumerate(zip(units, views)):
+            seg.wait(j, 1, self.owners[unit])
+            if spill is not None and unit in spill.units:
+                continue  # left on disk by remove()
+            ls.master = seg.private_view(dst)
+            ls.master_views = {
+                e.name: ls.master.narrow(0, e.elem_offset, e.numel).view(e.shape) for e in ls.trainable_entries
+            }
+            ls.masters_shared = True
