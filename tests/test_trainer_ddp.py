@@ -208,6 +208,27 @@ def test_two_nodes_gather_the_units_owned_on_the_other_node(tmp_path):
 
 
 @pytest.mark.slow
+def test_two_nodes_with_a_bf16_compute_copy_give_back_the_masters_from_each_nodes_segment(tmp_path):
+    """Two nodes (one rank each), bf16 compute copy: a unit's fp32 masters reach the other node by a broadcast in
+    the local-rank group, written into that node's segment (Note: [Masters given back share the node's segment]);
+    both ranks give back the same fp32 model, from their node's segment, equal to one process's within bf16's
+    tolerance (`test_partitioned_bf16_compute_copy_gives_every_rank_the_fp32_masters`)."""
+    out = tmp_path / "ddp"
+    launches = run_two_nodes(SCRIPT, "--out", str(out), "--per-device-batch", "2", "--bf16")
+    assert [rc for rc, _ in launches] == [0, 0], "\n".join(log[-3000:] for _, log in launches)
+    ranks = [json.loads((out / f"rank{r}.stats.json").read_text()) for r in range(2)]
+    single = _launch(tmp_path / "single", 1, "--per-device-batch", "4", "--bf16")[0]
+    ref = load_file(tmp_path / "single" / "rank0.safetensors")
+    got = [load_file(out / f"rank{r}.safetensors") for r in range(2)]
+    for k in ref:
+        assert got[0][k].dtype == torch.float32 and torch.equal(got[0][k], got[1][k]), k
+        torch.testing.assert_close(got[0][k], ref[k], atol=3e-3, rtol=0.0, msg=k)
+    model_bytes = single["given_back"]["own"]
+    for s in ranks:
+        assert s["given_back"] == {"node copy": model_bytes, "own": 0, "node copy written": 0}, s["given_back"]
+
+
+@pytest.mark.slow
 def test_four_ranks_hold_a_quarter_each_and_match_one_process(tmp_path):
     """4 ranks x 1 sequence against one process x 4: a quarter of the training state and one unit updated per rank
     (the tiny qwen3's 4 equal decoder layers), weights and losses as one process."""
