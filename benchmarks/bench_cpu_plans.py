@@ -136,7 +136,7 @@ def run_with_peak(model, plan, batch, warmup: int, steps: int) -> dict[str, Any]
 
 
 def bench_size(name: str, rounds: int, warmup: int, steps: int, fraction: float | None) -> dict[str, Any]:
-    from gpu_check import build_model, count_params, make_batch
+    from gpu_check_common import build_model, count_params, make_batch
 
     cfg = bcp.qwen3_config(name)
     B, T = bcp.SIZES[name][5], bcp.SIZES[name][6]

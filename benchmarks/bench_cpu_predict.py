@@ -144,7 +144,7 @@ def serial_prediction(plan, cm, lane_bytes: dict[str, int] | None) -> float:
 def bench_size(name: str, warmup: int, steps: int) -> dict[str, Any]:
     import dataclasses
 
-    from gpu_check import build_model, count_params, make_batch
+    from gpu_check_common import build_model, count_params, make_batch
 
     from lazytrain_hf.planner import hardware
     from lazytrain_hf.planner.costmodel import CostModel

@@ -1,7 +1,9 @@
 """The ``cuda_semantics`` section of ``gpu_check.py``: the CUDA behaviours the CPU suite only imitates, on a GPU.
 
 Run by ``gpu_check.py`` after the plan-space section (``--skip-cuda-semantics`` leaves it out,
-``--only-cuda-semantics`` runs just it, ``--cuda-semantics-cases a,b`` a subset). Cases (`CASES`), each guarded
+``--only-cuda-semantics`` runs just it, ``--cuda-semantics-cases a,b`` a subset). It builds on the plan-space
+section's sizes, training and comparison (``gpu_check_plan_space.py``) and the shared basics
+(``gpu_check_common.py``), never on ``gpu_check.py`` itself. Cases (`CASES`), each guarded
 (a failing case is a row with its traceback; the others still run):
 
 - ``state_nvme_grad_accum``: training state of layers 1-2 on NVMe with gradient accumulation 2 and the optimizer
@@ -46,6 +48,16 @@ import weakref
 from typing import Any
 
 import torch
+from gpu_check_common import build_model, log, make_batch, tiny_hf_config
+from gpu_check_plan_space import (
+    PLAN_SPACE_CASES,
+    PLAN_SPACE_RTOL,
+    compare_runs,
+    plan_space_cases_run,
+    plan_space_reference_plan,
+    plan_space_sizes,
+    plan_space_train,
+)
 
 CASES = (
     "state_nvme_grad_accum",
@@ -64,12 +76,6 @@ DRY_LAG_STALL_SHARE = "0.1"
 DRY_LAG_STEPS = 2
 # tied_stream_embeddings on a device whose reference is not deterministic: relative L2 of each gradient (fp32)
 GRAD_RTOL = 1e-5
-
-
-def _base():
-    import gpu_check  # the script beside this module (benchmarks/ is on sys.path when either runs)
-
-    return gpu_check
 
 
 @contextlib.contextmanager
@@ -102,12 +108,12 @@ def _proc_status() -> dict[str, int]:
 
 
 def _sizes(dry_run: bool) -> dict[str, int]:
-    return _base().plan_space_sizes(dry_run)
+    return plan_space_sizes(dry_run)
 
 
 def _config(dry_run: bool, tied: bool = True, hidden: int | None = None):
     sz = _sizes(dry_run)
-    cfg = _base().tiny_hf_config("qwen3", hidden=hidden or sz["hidden"], layers=sz["layers"], vocab=sz["vocab"])
+    cfg = tiny_hf_config("qwen3", hidden=hidden or sz["hidden"], layers=sz["layers"], vocab=sz["vocab"])
     cfg.tie_word_embeddings = tied
     return cfg
 
@@ -123,7 +129,6 @@ def case_state_nvme_grad_accum(device: torch.device, dry_run: bool) -> dict[str,
     from lazytrain_hf import models
     from lazytrain_hf.planner.plan import Plan
 
-    base = _base()
     sz = _sizes(dry_run)
     cfg = _config(dry_run)
     kinds = models.layer_kinds(cfg)
@@ -131,17 +136,17 @@ def case_state_nvme_grad_accum(device: torch.device, dry_run: bool) -> dict[str,
     plan.state_nvme = [1, 2]
     plan.optimizer_overlap = True
     plan.validate()
-    ref_plan = base.plan_space_reference_plan(kinds, sz["micro_batch"], sz["seq"], False)
+    ref_plan = plan_space_reference_plan(kinds, sz["micro_batch"], sz["seq"], False)
     simulate = device.type == "cpu"
     with tempfile.TemporaryDirectory(prefix="gpu_check_state_nvme_") as tmp:
-        run = base.plan_space_train(
+        run = plan_space_train(
             cfg, plan, 2, torch.float32, device, sz["steps"], simulate, tmp, {"state_nvme_dir": "<nvme>"}
         )
-        ref = base.plan_space_train(cfg, ref_plan, 2, torch.float32, device, sz["steps"], False, tmp)
-        again = base.plan_space_train(cfg, ref_plan, 2, torch.float32, device, sz["steps"], False, tmp)
-    deterministic = base.compare_runs(again, ref)["bit_exact"]
-    cmp = base.compare_runs(run, ref)
-    tol = base.PLAN_SPACE_RTOL[torch.float32]
+        ref = plan_space_train(cfg, ref_plan, 2, torch.float32, device, sz["steps"], False, tmp)
+        again = plan_space_train(cfg, ref_plan, 2, torch.float32, device, sz["steps"], False, tmp)
+    deterministic = compare_runs(again, ref)["bit_exact"]
+    cmp = compare_runs(run, ref)
+    tol = PLAN_SPACE_RTOL[torch.float32]
     ok = cmp["bit_exact"] if deterministic else cmp["max_loss_rel_err"] <= tol and cmp["weights_rel_l2"] <= tol
     return {
         "ok": bool(ok),
@@ -157,11 +162,10 @@ def case_tied_stream_embeddings(device: torch.device, dry_run: bool) -> dict[str
     from lazytrain_hf.planner.plan import Plan
     from lazytrain_hf.streaming import attach
 
-    base = _base()
     sz = _sizes(dry_run)
     cfg = _config(dry_run, tied=True)
-    ref = base.build_model(cfg, torch.float32, torch.device("cpu")).to(device)
-    model = base.build_model(cfg, torch.float32, torch.device("cpu"))
+    ref = build_model(cfg, torch.float32, torch.device("cpu")).to(device)
+    model = build_model(cfg, torch.float32, torch.device("cpu"))
     if not models.ties_embeddings(model):
         raise RuntimeError("tied_stream_embeddings: the model built from the tied config is not tied")
     kinds = models.layer_kinds(cfg)
@@ -172,7 +176,7 @@ def case_tied_stream_embeddings(device: torch.device, dry_run: bool) -> dict[str
     stray = []
     try:
         for seed in (1, 2):
-            b = base.make_batch(cfg.vocab_size, sz["micro_batch"], sz["seq"], device, seed=seed)
+            b = make_batch(cfg.vocab_size, sz["micro_batch"], sz["seq"], device, seed=seed)
             (ref(**b).loss / 2).backward()
             (model(**b).loss / 2).backward()
             g = model.model.embed_tokens.weight.grad
@@ -201,13 +205,12 @@ def case_generate_stream_embeddings(device: torch.device, dry_run: bool) -> dict
     from lazytrain_hf.planner.plan import Plan
     from lazytrain_hf.streaming import attach
 
-    base = _base()
     rows = {}
     for tied in (True, False):
         cfg = _config(dry_run, tied=tied)
         cfg.use_cache = True
-        ref = base.build_model(cfg, torch.float32, torch.device("cpu")).to(device).eval()
-        model = base.build_model(cfg, torch.float32, torch.device("cpu")).eval()
+        ref = build_model(cfg, torch.float32, torch.device("cpu")).to(device).eval()
+        model = build_model(cfg, torch.float32, torch.device("cpu")).eval()
         kinds = models.layer_kinds(cfg)
         handle = attach(model, plan=Plan.default(len(kinds), kinds, stream_embeddings=True), device=device)
         try:
@@ -230,17 +233,16 @@ def case_host_memory(device: torch.device, dry_run: bool) -> dict[str, Any]:
     from lazytrain_hf.planner.plan import Plan
     from lazytrain_hf.streaming import attach
 
-    base = _base()
     sz = _sizes(dry_run)
     cfg = _config(dry_run, hidden=None if dry_run else 1024)
-    model = base.build_model(cfg, torch.float32, torch.device("cpu"))
+    model = build_model(cfg, torch.float32, torch.device("cpu"))
     kinds = models.layer_kinds(cfg)
     plan = Plan.default(len(kinds), kinds, micro_batch_size=sz["micro_batch"], seq_len=sz["seq"])
     gc.collect()
     points = {"before_attach": _proc_status()}
     handle = attach(model, plan=plan, device=device)
     points["after_attach"] = _proc_status()
-    b = base.make_batch(cfg.vocab_size, sz["micro_batch"], sz["seq"], device)
+    b = make_batch(cfg.vocab_size, sz["micro_batch"], sz["seq"], device)
     model(**b).loss.backward()
     handle.synchronize()
     points["after_step"] = _proc_status()
@@ -275,10 +277,9 @@ def case_host_syncs_every_thread(device: torch.device, dry_run: bool) -> dict[st
     from lazytrain_hf.planner.plan import Plan
     from lazytrain_hf.streaming import attach
 
-    base = _base()
     sz = _sizes(dry_run)
     cfg = _config(dry_run)
-    model = base.build_model(cfg, torch.float32, torch.device("cpu"))
+    model = build_model(cfg, torch.float32, torch.device("cpu"))
     kinds = models.layer_kinds(cfg)
     plan = Plan.default(len(kinds), kinds, micro_batch_size=sz["micro_batch"], seq_len=sz["seq"])
     plan.layers[1].policy = "offload_nvme"
@@ -302,7 +303,7 @@ def case_host_syncs_every_thread(device: torch.device, dry_run: bool) -> dict[st
         p = model.model.layers[0].mlp.down_proj.weight
         h = p.register_post_accumulate_grad_hook(lambda _: hook_threads.add(threading.current_thread().name))
         try:
-            b = base.make_batch(cfg.vocab_size, sz["micro_batch"], sz["seq"], device)
+            b = make_batch(cfg.vocab_size, sz["micro_batch"], sz["seq"], device)
             model(**b).loss.backward()
             reasons = dict(trace.current["sync_reasons"])
         finally:
@@ -352,15 +353,14 @@ def gpu_lag(device: torch.device):
 
 
 def case_gpu_lag(device: torch.device, dry_run: bool) -> dict[str, Any]:
-    base = _base()
-    names = list(base.PLAN_SPACE_CASES)
+    names = list(PLAN_SPACE_CASES)
     det = None
     if device.type == "cuda":
         det = torch.are_deterministic_algorithms_enabled()
         torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         with gpu_lag(device):
-            out = base.plan_space_cases_run(device, dry_run, names, steps=DRY_LAG_STEPS if dry_run else None)
+            out = plan_space_cases_run(device, dry_run, names, steps=DRY_LAG_STEPS if dry_run else None)
     finally:
         if det is not None:
             torch.use_deterministic_algorithms(det)
@@ -392,7 +392,6 @@ CASE_FNS = {
 def section_cuda_semantics(device: torch.device, dry_run: bool, names: list[str], budget) -> dict[str, Any]:
     """Every case in ``names`` (see `CASES`), each guarded; one row per case. Cases left when the script's time
     budget is spent are skipped with a note."""
-    log = _base().log
     out: dict[str, Any] = {"cases": {}}
     for name in names:
         if name not in CASE_FNS:
