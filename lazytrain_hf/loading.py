@@ -57,10 +57,10 @@ class ShardedWeights:
         return f"ShardedWeights(directory={self.directory!r}, files={len(self.files)}, keys={len(self.file_of)})"
 
     def _targets(self, keys: list[str]) -> dict[str, list[str]]:
-        """Model name -> checkpoint keys, as `training.weight_layout.group_by_target` groups them."""
+        """Model name -> checkpoint keys, as `weight_layout.group_by_target` groups them."""
         from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
-        from .training.weight_layout import weight_transforms
+        from .weight_layout import weight_transforms
 
         transforms = weight_transforms(self.model)
         renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
@@ -81,7 +81,7 @@ class ShardedWeights:
         Tensors are read with plain file reads into new tensors (`_read_key`), not through a memory map: the file's
         pages stay in the page cache, outside the process's RSS, and nothing of the file stays mapped after the
         read."""
-        from .training.weight_layout import converted, group_by_target
+        from .weight_layout import converted, group_by_target
 
         missing = [n for n in names if n not in self.keys_of]
         if missing:

@@ -37,7 +37,7 @@ MAX_LINES = 700
 #   trainer:     the HF-facing classes: LazyTrainingArguments, LazyTrainer, the TRL integration;
 #   application: the command line, the package's public face, and the recipe's data and metric.
 FLOORS: list[tuple[str, tuple[str, ...]]] = [
-    ("base", ("units", "pinned", "threads", "streams", "models")),
+    ("base", ("units", "pinned", "threads", "streams", "models", "weight_layout")),
     ("optim", ("optim",)),
     ("planner", ("planner",)),
     ("executor", ("activations", "streaming")),

@@ -8,7 +8,6 @@ trainer floor (`args`, `trainer`, `trl`): they take the model, the arguments and
   checkpoints), `masters` (the fp32 masters file), `nvme_optimizer_state` (optimizer state of units on NVMe),
   `plan_files` (the plan next to the weights), `safetensors_writer` and `weight_files` (weights written layer by
   layer from the host store), `resume_weights` (the weights a resume loads, in the saved format).
-- `weight_layout`: the saved layout of a model's weights against its parameters (transformers' conversion mapping).
 - `updater`: `LayerwiseUpdater`, the optimizer step of a streamed model, layer by layer, overlapping the next
   forward.
 - `contract`: what of the user's set-up is honoured and what is refused at construction (issue #28): optimizer

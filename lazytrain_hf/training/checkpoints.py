@@ -11,7 +11,7 @@ public names are importable from here too:
   NVMe]);
 - `training/safetensors_writer.py` and `training/weight_files.py`: the weights of a streamed model written layer by
   layer from the host store (`save_streamed`, Note: [Checkpoints are streamed from the host store]);
-- `training/resume_weights.py` and `training/weight_layout.py`: the weights a resume loads in the format
+- `training/resume_weights.py` and `weight_layout.py`: the weights a resume loads in the format
   `save_pretrained` wrote them (`load_checkpoint_weights`, Note: [Checkpoint weights in the saved format]).
 
 Functions take directories, plans, the model and the executor's objects (`StreamHandle`, `LayerwiseUpdater`) as

@@ -13,7 +13,7 @@ import torch
 from transformers.utils import logging
 
 from ..loading import find_weight_files as _weight_files
-from .weight_layout import converted, group_by_target, is_pretrained, saved_names, weight_transforms
+from ..weight_layout import converted, group_by_target, is_pretrained, saved_names, weight_transforms
 
 logger = logging.get_logger(__name__)
 

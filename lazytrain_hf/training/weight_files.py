@@ -14,10 +14,10 @@ import os
 import torch
 
 from ..loading import WEIGHTS_FILE, WEIGHTS_INDEX_FILE
+from ..weight_layout import is_pretrained, saved_names
 from .lazytensor import LazyTensor
 from .safetensors_writer import SafetensorsWriter
 from .staging import atomic_write_text
-from .weight_layout import is_pretrained, saved_names
 
 # ---------------------------------------------------------------------- streamed safetensors
 # Note: [Checkpoints are streamed from the host store]
