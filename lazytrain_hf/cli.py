@@ -232,7 +232,10 @@ def cmd_plan(args: argparse.Namespace) -> int:
     else:
         max_bs["milp"] = milp.max_feasible_batch(
             lambda b: milp.milp_feasible(
-                with_streamed_embeddings(cm.with_batch(b), plan.stream_embeddings), gpu, host, args.nvme_budget,
+                with_streamed_embeddings(cm.with_batch(b), plan.stream_embeddings),
+                gpu,
+                host,
+                args.nvme_budget,
                 args.tiers,
             ),
             args.max_batch_size,

@@ -356,7 +356,9 @@ def evaluate_plan(plan: Plan, cm: CostModel) -> Evaluation:
         mem.append(fixed + run)
     # the end of backward: every held gradient and the norm's fp32 copy of one or, under accumulation, the embedding's
     # new gradient (memmodel.end_of_backward_bytes)
-    mem.append(fixed + mem_tail + head_held + embed_held + (0 if plan.stream_embeddings else end_of_backward_bytes(cm)))
+    mem.append(
+        fixed + mem_tail + head_held + embed_held + (0 if plan.stream_embeddings else end_of_backward_bytes(cm))
+    )
     for s, nbytes in moments:
         mem[s] = max(mem[s], fixed + nbytes)
     step = prefix[-1] + tail
