@@ -2,6 +2,7 @@
 
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py                  # ~650M-parameter Qwen3, 1 / 2 / 4 ranks
     PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py --tiny --procs 1,2   # ~6M parameters, a minute
+    PYTHONPATH=. .venv/bin/python benchmarks/bench_dp.py --bf16               # a bf16 compute copy, fp32 masters
 
 Every configuration is a fresh `torch.distributed.run --standalone --nproc_per_node N` launch (gloo, one thread per
 rank: ``OMP_NUM_THREADS=1``) of this file's ``--worker``, training the same randomly initialised checkpoint
@@ -162,7 +163,7 @@ def worker(a) -> None:
         max_steps=a.steps, learning_rate=1e-4, logging_steps=1, report_to=[], seed=0, data_seed=0, use_cpu=True,
         save_strategy="no", planner_hardware="cpu", planner_policy="default", planner_warmup_steps=1,
         dataloader_drop_last=True, stream_trace_steps=2, stream_embeddings=not a.resident_embeddings,
-        planner_dp_reduce=a.dp_reduce,
+        planner_dp_reduce=a.dp_reduce, bf16=a.bf16,
     )
     trainer = LazyTrainer(model=model, args=args, train_dataset=data, callbacks=[Probe()])
     box["trainer"] = trainer
@@ -210,7 +211,7 @@ def launch(a, procs: int) -> list[dict]:
            os.path.abspath(__file__), "--worker", "--checkpoint", a.checkpoint, "--out", a.out,
            "--global-batch", str(a.global_batch), "--steps", str(a.steps), "--seq", str(a.seq),
            "--vocab", str(a.vocab), "--dp-reduce", a.dp_reduce] + (
-               ["--resident-embeddings"] if a.resident_embeddings else [])
+               ["--resident-embeddings"] if a.resident_embeddings else []) + (["--bf16"] if a.bf16 else [])
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=a.timeout)
     if proc.returncode != 0:
         raise SystemExit(f"{procs} ranks failed (exit {proc.returncode}):\n{proc.stderr[-6000:]}")
@@ -264,6 +265,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--resident-embeddings", action="store_true",
                    help="keep the embedding and head resident (replicated on every rank) instead of streamed units")
     p.add_argument("--tiny", action="store_true", help="a ~6M-parameter model of the same family")
+    p.add_argument("--layers", type=int, default=None,
+                   help="decoder layers (default 20: ~650M parameters; 40: ~1.2B), the rest of the shape unchanged")
+    p.add_argument("--bf16", action="store_true",
+                   help="bf16=True on the fp32 model (as the recipe trains): a bf16 compute copy, fp32 masters")
     p.add_argument("--work", default=None, help="where the checkpoint and runs go (default: a temporary dir)")
     p.add_argument("--timeout", type=int, default=3600)
     p.add_argument("--json", default=None, help="write every figure to this file")
@@ -278,10 +283,12 @@ def main(argv: list[str] | None = None) -> int:
     import torch
     from bench_state_nvme import ensure_checkpoint, make_config
 
-    spec = TINY if a.tiny else BASE
+    spec = dict(TINY if a.tiny else BASE)
+    if a.layers:
+        spec["num_hidden_layers"] = a.layers
     a.vocab = a.vocab or spec["vocab_size"]
     work = a.work or tempfile.mkdtemp(prefix="bench_dp_")
-    a.checkpoint = os.path.join(work, "tiny" if a.tiny else "base")
+    a.checkpoint = os.path.join(work, f"{'tiny' if a.tiny else 'base'}{spec['num_hidden_layers']}")
     a.out = os.path.join(work, "runs")
     config = make_config(spec)
     info, _, _ = ensure_checkpoint(config, a.checkpoint, torch.float32)
