@@ -92,10 +92,12 @@ def test_cpu_layer_times_match_measured_compute():
 
     One probe of a few milliseconds swings by up to 1.6x on a shared VM (the layer-shape GEMM rate 0.057-0.092
     TFLOPS in one process, 2026-12-03), and one round's prediction against its own layer timing by up to 1.26x
-    (1.55x seen once in CI): so a warm-up round, then the median ratio of five rounds, each round's rates and layer
-    timing measured back to back (0.97-1.07 per round on a 2-core development machine, 2026-12-03)."""
+    (1.55x seen once in CI): so a warm-up round, then five rounds, each measuring the rates and timing the layer
+    back to back, and the ratio of the least predicted to the least measured time (noise only adds time, as
+    `timeit` reasons). On a 2-core machine: the medians of rounds were 1.52 / 1.37 in a suite run beside four
+    data-parallel ranks (failed); with three CPU-bound processes beside it, rounds 0.68-1.54, medians 0.99 / 1.13,
+    least times 0.99 / 0.97 (2026-12-03)."""
     import dataclasses
-    import statistics
     import time
 
     import torch
@@ -127,9 +129,10 @@ def test_cpu_layer_times_match_measured_compute():
             cm = CostModel.from_config(cfg, dataclasses.replace(prof, layer_times={}, layer_times_shape=[]), 256, 2, 4)
             assert cm.serial_lanes and not cm.measured
             lc = cm.layers[0]
-            rounds.append((lc.fwd_s / measured[0], lc.bwd_s / measured[1], measured, prof.summary()))
+            rounds.append(((lc.fwd_s, lc.bwd_s), tuple(measured), prof.summary()))
     finally:
         torch.set_num_threads(threads)
     rounds = rounds[1:]  # the warm-up round
-    ratios = [statistics.median(r[i] for r in rounds) for i in (0, 1)]
+    # each side's least time over the rounds: another tenant only ever adds time (to a probe or to the layer)
+    ratios = [min(r[0][i] for r in rounds) / min(r[1][i] for r in rounds) for i in (0, 1)]
     assert all(0.65 < r < 1.35 for r in ratios), (ratios, rounds)
