@@ -10,7 +10,7 @@ import warnings
 import pytest
 from helpers.big_shapes import MOE_128L, QWEN3_235B, QWEN25_72B
 
-from lazytrain_hf.planner import milp
+from lazytrain_hf.planner import highs_run, milp
 from lazytrain_hf.planner.costmodel import CostModel
 from lazytrain_hf.planner.formulation import build_milp
 from lazytrain_hf.planner.highs_run import model_arrays, run_bounded
@@ -40,10 +40,15 @@ def test_thread_count_may_change_between_solves():
 
 
 @pytest.mark.slow
-def test_presolve_that_runs_on_is_bounded():
+def test_presolve_that_runs_on_is_bounded(monkeypatch):
     """The lookahead-2 model of a 94-layer Qwen3-235B at seq 8192, batch 4 on h200: HiGHS's presolve ran past 125 s
     under a 22 s limit (See Note: [HiGHS presolve ignores the time limit]). Bounded now: presolve is given up, the
-    solve restarted without it, and the solve ends by its limit with a plan and its proven gap."""
+    solve restarted without it, and the solve ends by its limit with a plan and its proven gap.
+
+    Presolve's share is cut to half a second here: how long this presolve takes depends on the machine (it ended
+    within its 3 s share on a quiet 2-core VM, 2026-12-03), and what is tested is what happens when it does not."""
+    monkeypatch.setattr(highs_run, "PRESOLVE_MIN_S", 0.5)
+    monkeypatch.setattr(highs_run, "PRESOLVE_SHARE", 0.0)
     cm = CostModel.from_config(QWEN3_235B, "h200", 8192, 4)
     model = build_milp(cm, H200_GPU, H200_HOST, 0, ("gpu", "cpu"), 2, "time")
     limit = 12.0
