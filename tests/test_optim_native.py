@@ -208,3 +208,30 @@ def test_build_is_cached(monkeypatch, tmp_path):
     finally:
         monkeypatch.undo()
         native.reset()
+
+
+def test_numba_is_imported_only_when_its_backend_runs():
+    """The package and a native-backend optimizer step import no numba (numba and llvmlite take ~33 MiB of every
+    process, each data-parallel rank's included); the numba backend imports it on first use."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from lazytrain_hf import LazyTrainer\n"
+        "from lazytrain_hf.optim import HybridAdamW8bit\n"
+        "p = torch.nn.Parameter(torch.randn(4096))\n"
+        "opt = HybridAdamW8bit([p], lr=1e-3, backend='native')\n"
+        "p.grad = torch.randn(4096)\n"
+        "opt.step()\n"
+        "assert 'numba' not in sys.modules, 'numba imported by the package or the native backend'\n"
+        "if len(sys.argv) > 1:\n"
+        "    HybridAdamW8bit([p], lr=1e-3, backend='numba').step()\n"
+        "    assert 'numba' in sys.modules\n"
+    )
+    if not native.available():
+        pytest.skip(f"native kernel unavailable: {native.error()}")
+    args = [sys.executable, "-c", code] + (["numba"] if NUMBA_AVAILABLE else [])
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]  # `-c` puts the working directory first
+    out = subprocess.run(args, capture_output=True, text=True, timeout=300, cwd=root)
+    assert out.returncode == 0, out.stderr[-3000:]
