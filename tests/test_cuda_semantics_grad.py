@@ -311,7 +311,9 @@ def test_numba_kernels_release_the_gil():
 
     if not kernels.NUMBA_AVAILABLE:
         pytest.skip("numba is not installed")
-    for fn in (kernels._update_blocks, kernels._adamw8bit_parallel):
+    from lazytrain_hf.optim import numba_kernels
+
+    for fn in (numba_kernels.update_blocks, numba_kernels.adamw8bit_parallel):
         assert fn.targetoptions.get("nogil") is True, fn
 
 
