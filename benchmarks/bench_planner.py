@@ -55,21 +55,17 @@ def solve(cm: CostModel, args: argparse.Namespace):
     predicted tokens/s kept (resident on a tie), as ``lazytrain plan --stream-embeddings auto`` chooses."""
     gpu, host = cm.hardware.default_gpu_budget(), cm.hardware.default_host_budget()
     t0 = time.perf_counter()
-    plans, needs = [], []
-    for on in (False, True):
-        try:
-            plans.append(
-                milp.solve(
-                    with_streamed_embeddings(cm, on), gpu_budget=gpu, host_budget=host, time_limit=args.time_limit,
-                    solver=args.solver,
-                )
-            )  # fmt: skip
-        except milp.PlanInfeasibleError as e:
-            needs.append(e.min_gpu_budget)
-    if not plans:
-        need = "-" if None in needs else f"{min(needs) / 2**30:.1f} GiB"
+    try:
+        plan = milp.better_of_embeddings(
+            lambda on: milp.solve(
+                with_streamed_embeddings(cm, on), gpu_budget=gpu, host_budget=host, time_limit=args.time_limit,
+                solver=args.solver,
+            )
+        )  # fmt: skip
+    except milp.PlanInfeasibleError as e:
+        need = "-" if e.min_gpu_budget is None else f"{e.min_gpu_budget / 2**30:.1f} GiB"
         return None, need, time.perf_counter() - t0
-    return max(plans, key=lambda p: p.predicted["tokens_per_s"]), "", time.perf_counter() - t0
+    return plan, "", time.perf_counter() - t0
 
 
 def row(cm: CostModel, model: str, hw: str, args: argparse.Namespace) -> str:

@@ -315,9 +315,10 @@ def milp_feasible(
 
 
 # ------------------------------------------------------------------------------------------------ entry point
-def _either_embeddings(plan_with: Callable[[bool], Plan]) -> Plan:
+def better_of_embeddings(plan_with: Callable[[bool], Plan]) -> Plan:
     """The better of ``plan_with(False)`` (resident embedding and head) and ``plan_with(True)`` (streamed): the higher
-    predicted tokens/s, resident on a tie; the one that fits where only one does (`plan_for_model`)."""
+    predicted tokens/s, resident on a tie; the one that fits where only one does (`plan_for_model`, the planner
+    benchmark)."""
     plans, errors = [], []
     for on in (False, True):
         try:
@@ -402,7 +403,7 @@ def plan_for_model(
     if stream_embeddings is None:
         args = dict(locals())
         del args["stream_embeddings"]
-        return _either_embeddings(lambda on: plan_for_model(**args, stream_embeddings=on))
+        return better_of_embeddings(lambda on: plan_for_model(**args, stream_embeddings=on))
     t_search = time.perf_counter()  # loading the config (transformers' config classes) counts too
     cfg, name = _resolve_config(config)
     hw = get_profile(hardware)
