@@ -79,8 +79,8 @@ class LazyTrainer(Trainer):
 
         # Phase 3: LazyTrain state, filled by train().
         self.stream_handle = None
-        self.lazy_plan = None
-        self.lazy_cost_model = None
+        self.lazy_plan = self.lazy_cost_model = None
+        self.lazy_world_links = None  # Note: [The world's links are measured] (training/world_links.py)
         self.skipped_nonfinite_steps = 0
         self._clip_coef: float | None = None
         self._skip_step = False
@@ -250,7 +250,7 @@ class LazyTrainer(Trainer):
     # ------------------------------------------------------------------ planning (lazytrain_hf.training.planning)
     def make_plan(self):
         """Profile -> warm-up timings -> plan, per `args.planner_*`. Saves the plan (JSON + timeline) to output_dir."""
-        plan, cost_model = planning.make_plan(self.model, self.args, self._sample_batch())
+        plan, cost_model = planning.make_plan(self.model, self.args, self._sample_batch(), self.lazy_world_links)
         self.lazy_plan = plan
         if cost_model is not None:  # profiled and planned (not the default plan)
             self.lazy_cost_model = cost_model
@@ -265,6 +265,7 @@ class LazyTrainer(Trainer):
         In data parallel only rank 0 profiles, warms up and solves; the plan (with the batch size it chose) is
         broadcast and every rank executes it, so all ranks stream the same way and keep the same batch size. A
         planning error on rank 0 is raised on every rank instead of leaving the others waiting."""
+        self.lazy_world_links = planning.measure_world_links(self.args)  # every rank: rank 0 plans with them
         plan, received = planning.plan_on_rank_zero(self.make_plan, self.args.world_size)
         if not received:
             return plan  # made here by make_plan()

@@ -349,6 +349,27 @@ def test_step_reduce_of_moe_units_with_streamed_embeddings_and_state_on_nvme_mat
         assert s["reductions"] == {str(k): 3 for k in s["units"]}, s["reductions"]
 
 
+@pytest.mark.slow
+def test_rank_zero_plans_with_the_links_every_rank_measured(tmp_path):
+    """Note: [The world's links are measured]: with ``planner_hardware="auto"`` (the profile cached in output_dir,
+    so only the links are timed) both ranks measure the same link figures before rank 0 plans, and rank 0's cost
+    model carries them (the link between nodes, not measured on one node, stays the profile's)."""
+    from lazytrain_hf.planner import hardware
+    from lazytrain_hf.training.planning import PROFILE_FILE
+
+    ddp = tmp_path / "ddp"
+    (ddp / "run").mkdir(parents=True)
+    cpu = hardware.get_profile("cpu")
+    cpu.to_json(str(ddp / "run" / PROFILE_FILE))
+    stats = _launch(ddp, 2, "--per-device-batch", "2", "--policy", "milp", "--hardware", "auto")
+    links = stats[0]["world_links"]
+    print(f"measured links: {links}")
+    assert stats[1]["world_links"] == links and sorted(links) == ["device_net_gbps", "shm_gbps"]
+    assert {k: stats[0]["planned_links"][k] for k in links} == links
+    assert stats[0]["planned_links"]["net_gbps"] == cpu.net_gbps
+    assert "planned_links" not in stats[1]  # rank 1 executes the plan it received
+
+
 # --------------------------------------------------------------------------- gradient accumulation, reductions counted
 # Two ranks x 2 sequences x GA 2 and one process x 4 sequences x GA 2 see the same 8 sequences per optimizer step
 # (accelerate hands rank r every r-th batch of the same sampler order). Tolerances as above: the summation order of

@@ -60,14 +60,15 @@ class HardwareProfile:
         net_gbps: ``BW_net`` in GB/s, host-to-host bandwidth between two nodes of a data-parallel world, one
             direction, as the gradient reduces and compute-copy gathers see it (`lazytrain_hf.planner.world`).
             Default 5: gloo's TCP transport on a 100 Gb/s link (12.5 GB/s on the wire) with one connection per peer
-            and CPU-bound framing; an assumed figure until measured on the cluster.
+            and CPU-bound framing; assumed (a run with ``planner_hardware="auto"`` times its own world's links:
+            `lazytrain_hf.training.world_links`, the same for the two figures below).
         shm_gbps: ``BW_shm`` in GB/s, host-to-host bandwidth between two ranks of one node (a copy through shared
             memory). Default 10: one core's memcpy between two processes' pages on a server (its memory bandwidth
-            is shared with the optimizer); an assumed figure until measured.
+            is shared with the optimizer); assumed.
         device_net_gbps: ``BW_dev_net`` in GB/s, the bandwidth of a reduce between the devices of one node (NCCL over
             NVLink or PCIe; on the CPU device gloo over host memory), as a unit's gradient reduced to its owner on the
             device sees it (``Plan.dp_reduce == "device"``, `lazytrain_hf.planner.worldcost`). Default 12: two PCIe
-            Gen4 GPUs without peer-to-peer, through host memory; an assumed figure until measured.
+            Gen4 GPUs without peer-to-peer, through host memory; assumed.
     """
 
     name: str

@@ -63,9 +63,12 @@ def attention_cost_class(config: Any) -> str:
 
 
 # ---------------------------------------------------------------------- planning
-def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor]):
+def make_plan(
+    model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor], links: dict[str, float] | None = None
+):
     """Profile -> warm-up timings -> plan, per ``args.planner_*``, for training ``model`` on micro-batches shaped
-    like ``batch`` (one collated training micro-batch).
+    like ``batch`` (one collated training micro-batch). ``links``: the data-parallel world's measured link
+    bandwidths (`measure_world_links`), which replace the measured profile's (``planner_hardware="auto"``).
 
     Returns ``(plan, cost_model)``; ``cost_model`` is None for ``planner_policy="default"`` (no profile, warm-up or
     solve). With auto batch size the plan may choose another micro-batch size than ``batch``'s; the caller adopts it.
@@ -102,6 +105,8 @@ def make_plan(model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor])
         if a.planner_hardware == "auto"
         else hardware.get_profile(a.planner_hardware)
     )
+    if links and a.planner_hardware == "auto":
+        profile = with_world_links(profile, links)
     # bf16=True computes an fp32 model with a bf16 copy (Note: [A bf16 compute copy of an fp32 model], hooks.py)
     dtype_bytes = 4 if next(base.parameters()).dtype == torch.float32 and not a.bf16 else 2
     attn = attention_cost_class(config)
@@ -177,6 +182,33 @@ def world_of(args: Any):
     world_size = max(1, int(getattr(args, "world_size", 1) or 1))
     local = int(os.environ.get("LOCAL_WORLD_SIZE", world_size)) or world_size
     return World(world_size, max(1, world_size // local))
+
+
+def measure_world_links(args: Any) -> dict[str, float] | None:
+    """Note: [The world's links are measured] (training/world_links.py): on every rank of a data-parallel run
+    whose plan is made from this machine's measured profile (``planner_hardware="auto"``, a policy other than
+    ``"default"``), before rank 0 plans; None otherwise (one process, a bundled or given profile, no planning)."""
+    import torch.distributed as dist
+
+    world = world_of(args)
+    if world.world_size <= 1 or args.planner_hardware != "auto" or args.planner_policy == "default":
+        return None
+    if not (dist.is_available() and dist.is_initialized()):
+        return None
+    from .world_links import measure_links
+
+    links = measure_links(world, args.device)
+    logger.info("LazyTrain: the data-parallel world's links: " + ", ".join(f"{k} {v:.2f}" for k, v in links.items()))
+    return links
+
+
+def with_world_links(profile, links: dict[str, float]):
+    """``profile`` with the link bandwidths ``links`` (`measure_world_links`), which its ``source`` names."""
+    import dataclasses
+
+    what = ", ".join(f"{k}={v:.3g}" for k, v in sorted(links.items()))
+    source = f"{profile.source}; links measured by the data-parallel world: {what}".lstrip("; ")
+    return dataclasses.replace(profile, **links, source=source)
 
 
 def set_dp_reduce(plan, args: Any, cost_model=None) -> None:

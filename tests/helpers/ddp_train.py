@@ -52,6 +52,7 @@ def main() -> None:
     p.add_argument("--model-type", default="qwen3")
     p.add_argument("--stream-embeddings", action="store_true")
     p.add_argument("--dp-reduce", default=None, help="planner_dp_reduce (auto, host, device)")
+    p.add_argument("--hardware", default=None, help="planner_hardware (default: the fixtures' bundled 'cpu')")
     a = p.parse_args()
 
     from trainer_fixtures import make_trainer
@@ -75,6 +76,8 @@ def main() -> None:
         extra.update(stream_embeddings=True)
     if a.dp_reduce:
         extra.update(planner_dp_reduce=a.dp_reduce)
+    if a.hardware:
+        extra.update(planner_hardware=a.hardware)
     trainer = make_trainer(
         os.path.join(a.out, "run"),
         planner_policy=a.policy,
@@ -170,6 +173,11 @@ def main() -> None:
     with open(os.path.join(a.out, f"rank{me}.planned"), "w") as f:
         f.write(str(len(planned)))
     stats["losses"] = trainer.loss_recorder.losses
+    # Note: [The world's links are measured]: what every rank measured, and the figures rank 0 planned with
+    stats["world_links"] = trainer.lazy_world_links
+    if trainer.lazy_cost_model is not None:
+        hw = trainer.lazy_cost_model.hardware
+        stats["planned_links"] = {k: getattr(hw, k) for k in ("shm_gbps", "device_net_gbps", "net_gbps")}
     with open(os.path.join(a.out, f"rank{me}.stats.json"), "w") as f:
         json.dump(stats, f)
 
