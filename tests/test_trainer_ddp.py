@@ -91,6 +91,11 @@ def test_each_rank_holds_and_updates_only_its_partition(tmp_path):
     assert model_bytes > 0 and single["given_back"]["node copy"] == 0
     for s in ranks:
         assert s["given_back"] == {"node copy": model_bytes, "own": 0, "node copy written": 0}, s["given_back"]
+    # Note: [Masters live in the node's segment]: the owner's masters are in that segment while training too, so
+    # giving them back copies nothing and the node never holds them twice (in a rank's memory and in the segment)
+    for s in ranks:
+        assert s["masters_in_segment"] and all(s["masters_in_segment"].values()), s["masters_in_segment"]
+    assert sorted(k for s in ranks for k in s["masters_in_segment"]) == sorted(str(u) for u in single["units"])
     # the trace's lane "net": per step, the fp32 gradients of the units a rank does not own (the accumulator bytes it
     # does not hold) sent to their owners; nothing gathered from another node on one node
     assert single["net"] == [{}] * 3
@@ -183,6 +188,11 @@ def test_partitioned_bf16_compute_copy_gives_every_rank_the_fp32_masters(tmp_pat
     assert model_bytes > 0 and single["given_back"]["node copy"] == 0
     for s in ranks:
         assert s["given_back"] == {"node copy": model_bytes, "own": 0, "node copy written": 0}, s["given_back"]
+    # Note: [Masters live in the node's segment]: the owner's masters are in that segment while training too, so
+    # giving them back copies nothing and the node never holds them twice (in a rank's memory and in the segment)
+    for s in ranks:
+        assert s["masters_in_segment"] and all(s["masters_in_segment"].values()), s["masters_in_segment"]
+    assert sorted(k for s in ranks for k in s["masters_in_segment"]) == sorted(str(u) for u in single["units"])
 
 
 @pytest.mark.slow
@@ -226,6 +236,11 @@ def test_two_nodes_with_a_bf16_compute_copy_give_back_the_masters_from_each_node
     model_bytes = single["given_back"]["own"]
     for s in ranks:
         assert s["given_back"] == {"node copy": model_bytes, "own": 0, "node copy written": 0}, s["given_back"]
+    # Note: [Masters live in the node's segment]: the owner's masters are in that segment while training too, so
+    # giving them back copies nothing and the node never holds them twice (in a rank's memory and in the segment)
+    for s in ranks:
+        assert s["masters_in_segment"] and all(s["masters_in_segment"].values()), s["masters_in_segment"]
+    assert sorted(k for s in ranks for k in s["masters_in_segment"]) == sorted(str(u) for u in single["units"])
 
 
 @pytest.mark.slow

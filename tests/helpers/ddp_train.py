@@ -158,6 +158,15 @@ def main() -> None:
                 stats["nvme_units"] = sorted(handle.nvme_state.units)
             # gradient reduces each unit took part in over the run (data parallel; keys: str(unit))
             dp = trainer._dp
+            # Note: [Masters live in the node's segment] (training/dataparallel.py): where each owned unit's fp32
+            # masters of a compute copy in another dtype lie while training (True: in the node's segment of masters)
+            seg = getattr(dp, "masters_copy", None)
+            span = (seg.data.data_ptr(), seg.data.data_ptr() + seg.data_nbytes) if seg is not None else (0, 0)
+            stats["masters_in_segment"] = {
+                str(i): span[0] <= ls.master.data_ptr() < span[1]
+                for i, ls in handle.store.layers.items()
+                if ls.master is not None and any(e.trainable and e.orig_dtype is not None for e in ls.entries)
+            }
             stats["reductions"] = {str(k): v for k, v in dp.reductions.items()} if dp is not None else {}
 
     trainer.add_callback(Record())
