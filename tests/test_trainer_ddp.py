@@ -91,11 +91,9 @@ def test_each_rank_holds_and_updates_only_its_partition(tmp_path):
     assert model_bytes > 0 and single["given_back"]["node copy"] == 0
     for s in ranks:
         assert s["given_back"] == {"node copy": model_bytes, "own": 0, "node copy written": 0}, s["given_back"]
-    # Note: [Masters live in the node's segment]: the owner's masters are in that segment while training too, so
-    # giving them back copies nothing and the node never holds them twice (in a rank's memory and in the segment)
-    for s in ranks:
-        assert s["masters_in_segment"] and all(s["masters_in_segment"].values()), s["masters_in_segment"]
-    assert sorted(k for s in ranks for k in s["masters_in_segment"]) == sorted(str(u) for u in single["units"])
+    # fp32: the masters are the compute copy, in the node copy (Note: [Compute copy aliases the fp32 master]): no
+    # segment of masters
+    assert all(s["masters_in_segment"] == {} for s in ranks)
     # the trace's lane "net": per step, the fp32 gradients of the units a rank does not own (the accumulator bytes it
     # does not hold) sent to their owners; nothing gathered from another node on one node
     assert single["net"] == [{}] * 3
@@ -180,7 +178,7 @@ def test_partitioned_bf16_compute_copy_gives_every_rank_the_fp32_masters(tmp_pat
     # the masters, not their bf16 rounding: some trained weight is not a bf16 value
     w = got["model.layers.1.self_attn.q_proj.weight"]
     assert not torch.equal(w, w.to(torch.bfloat16).float())
-    # Note: [Masters given back share the node's segment] (training/dataparallel.py): the fp32 model given back to
+    # Note: [Masters live in the node's segment] (training/dataparallel.py): the fp32 model given back to
     # every rank is one copy per node, read through copy-on-write mappings, not a whole fp32 model in each rank's
     # own memory (N copies per node at the end of train())
     print(f"streamed parameters given back: 1 rank {single['given_back']}, 2 ranks {[s['given_back'] for s in ranks]}")
@@ -220,7 +218,7 @@ def test_two_nodes_gather_the_units_owned_on_the_other_node(tmp_path):
 @pytest.mark.slow
 def test_two_nodes_with_a_bf16_compute_copy_give_back_the_masters_from_each_nodes_segment(tmp_path):
     """Two nodes (one rank each), bf16 compute copy: a unit's fp32 masters reach the other node by a broadcast in
-    the local-rank group, written into that node's segment (Note: [Masters given back share the node's segment]);
+    the local-rank group, written into that node's segment (Note: [Masters live in the node's segment]);
     both ranks give back the same fp32 model, from their node's segment, equal to one process's within bf16's
     tolerance (`test_partitioned_bf16_compute_copy_gives_every_rank_the_fp32_masters`)."""
     out = tmp_path / "ddp"
