@@ -323,7 +323,7 @@ class ParameterBinder:
                     if node is not None and e.orig_dtype is None and e.orig_device.type == "cpu":
                         shared = node.private_view(src)  # Note: [Parameters given back share the node copy]
                     elif st.store.masters_shared and e.trainable and e.orig_device.type == "cpu":
-                        shared = src  # Note: [Masters given back share the node's segment] (training/dataparallel.py)
+                        shared = src  # Note: [Masters live in the node's segment] (training/dataparallel.py)
                     elif node is None and e.name not in frozen and self._own_buffer(src, e):
                         shared = src  # Note: [One process gives its store's buffers back]
                     if shared is not None:

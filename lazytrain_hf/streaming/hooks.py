@@ -105,6 +105,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
         unit_owners: dict[int, int] | None = None,
         rank: int = 0,
         node_copy: Any = None,
+        node_masters: dict[int, torch.Tensor] | None = None,
     ):
         self.model = model
         self.root = hf_root(model)
@@ -125,6 +126,7 @@ class StreamHandle(ParameterBinder, FetchScheduler, CompletionTracker, GradientS
             self.store.owned = {k for k, r in self.unit_owners.items() if r == self.rank}
             fix_mmap_threshold()  # Note: [A rank's large blocks are mapped] in store.py
         self.store.node_copy = node_copy  # Note: [The node's compute copy is shared by its ranks]
+        self.store.node_masters = dict(node_masters or {})  # Note: [Masters live in the node's segment]
         self.engine = TransferEngine(device)
         # every transfer, compute span, update and host synchronisation of a step (lazytrain_hf.streaming.trace)
         self.trace = self.engine.trace
@@ -534,6 +536,7 @@ def attach(
     unit_owners: dict[int, int] | None = None,
     rank: int = 0,
     node_copy: Any = None,
+    node_masters: dict[int, torch.Tensor] | None = None,
 ) -> StreamHandle:
     """Install the layer-streaming executor on a HF causal-LM model (or a PEFT wrapper of one).
 
@@ -553,7 +556,9 @@ def attach(
         unit_owners / rank: data parallel with the training state partitioned by unit (Note: [The training state is
             partitioned by unit] in planner/world.py): ``{unit key: owner rank}`` and this process's rank; the host
             store holds masters and gradient accumulators (and ``state_nvme_dir`` state files) of owned units only;
-            ``node_copy``: a `NodeCopy` the compute copies are carved from (one per node, shared by its ranks).
+            ``node_copy``: a `NodeCopy` the compute copies are carved from (one per node, shared by its ranks);
+            ``node_masters``: ``{unit key: fp32 buffer}`` in the node's segment of masters, where an owned unit's
+            masters live (Note: [Masters live in the node's segment] in training/dataparallel.py).
 
             Note: [A bf16 compute copy of an fp32 model]
                 Every fp32 parameter is computed in bf16: the host store's compute copy (what slots receive) and
@@ -633,6 +638,7 @@ def attach(
         unit_owners,
         rank,
         node_copy,
+        node_masters,
     )
     _ATTACHED.add(model)
     return handle

@@ -266,7 +266,7 @@ class LayerStore:
     # Note: [The training state is partitioned by unit] (planner/world.py): another rank owns this unit's master,
     # moments and gradient accumulator; this rank holds only its compute copy (``master`` and ``grad`` are None)
     remote: bool = False
-    # Note: [Masters given back share the node's segment] (training/dataparallel.py): ``master`` is a view of the
+    # Note: [Masters live in the node's segment] (training/dataparallel.py): ``master`` is a view of the
     # node's segment of fp32 masters (copy-on-write), given to the parameters as it is by `remove()`
     masters_shared: bool = False
     layout: LayerLayout | None = None
@@ -362,6 +362,9 @@ class HostStore:
         # bytes there (kept when the state on NVMe takes ``compute_bytes`` away)
         self.node_copy = None
         self.shared_compute: dict[int, torch.Tensor] = {}
+        # Note: [Masters live in the node's segment] (training/dataparallel.py): an owned unit's fp32 masters of a
+        # compute copy in another dtype, in the node's segment of masters ({unit key: buffer}); else its own memory
+        self.node_masters: dict[int, torch.Tensor] = {}
 
     def reserve(self, nbytes: int) -> PinnedArena:
         """Allocate the pinned arena the layers added next carve their compute copy and gradient accumulators from
@@ -446,7 +449,17 @@ class HostStore:
             compute_bytes = self._compute_buffer(layout.compute_bytes, torch.uint8, pins, pin)
             compute = compute_bytes.view(next(iter(single))) if len(single) == 1 else None
             # the masters are read and written by the host optimizer only: pageable
-            master = torch.zeros(n_train, dtype=torch.float32) if own else None
+            master = None
+            if own:
+                # a unit whose state moves to NVMe leaves RAM at once (its masters would stay in the segment)
+                master = None if index in self.no_grad_buffer else self.node_masters.get(index)
+                if master is None:
+                    master = torch.zeros(n_train, dtype=torch.float32)
+                elif master.numel() != n_train or master.dtype != torch.float32:
+                    raise ValueError(
+                        f"unit {index}: the node's masters segment holds {master.numel()} {master.dtype} elements, "
+                        f"the unit has {n_train} fp32 masters; the segment was laid out for another model or plan."
+                    )
         grad = None
         if own:
             if index in self.no_grad_buffer:

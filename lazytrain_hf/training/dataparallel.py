@@ -16,7 +16,9 @@
 - the node's compute copy, shared by its ranks (a `NodeCopy`): an updated unit's new version published by its owner,
   waited for by the other local ranks, sent to the other nodes (`send_compute` / `receive_compute`, on the updater's
   thread: Note: [The node's compute copy is shared by its ranks]);
-- at the end of training, the fp32 masters a rank needs to give its model back (`gather_masters`).
+- with a compute copy in another dtype (bf16 of an fp32 model), the node's segment of fp32 masters, where each
+  owner's masters live (Note: [Masters live in the node's segment]), and at the end of training the masters every
+  rank's model is given back (`gather_masters`).
 
 Each runs on its own gloo group, created collectively here, so that no two threads of a rank share one group.
 """
@@ -76,6 +78,19 @@ def unit_owners_of(model: torch.nn.Module, plan, world_size: int) -> dict[int, i
     return dict(zip((u.key for u in units), unit_owners(elems, world_size)))
 
 
+def masters_elems(model: torch.nn.Module, plan, compute_dtype: torch.dtype | None) -> dict[int, int]:
+    """``{unit key: fp32 master elements}`` of the streamed units whose trainable fp32 parameters have their compute
+    copy in ``compute_dtype`` (a bf16 compute copy of an fp32 model): the node's segment of masters (Note: [Masters
+    live in the node's segment]); empty when every compute copy is its masters' dtype."""
+    if compute_dtype is None or compute_dtype == torch.float32:
+        return {}
+    out = {}
+    for u in hostmem.units_of_model(model, plan):
+        if u.streamed and any(trainable and dt == torch.float32 for _, dt, trainable in u.tensors):
+            out[u.key] = layer_layout(u.tensors, compute_dtype).train_elems
+    return out
+
+
 def node_copy_bytes(model: torch.nn.Module, plan, compute_dtype: torch.dtype | None) -> int:
     """Bytes of the node copy: every streamed unit's compute copy as the host store lays it out (`layer_layout`),
     each at an `ALIGN_BYTES` boundary."""
@@ -98,6 +113,8 @@ class PartitionedDataParallel:
             ``device``: NCCL on CUDA, gloo on the CPU device.
         dp_reduce_every: the plan's ``dp_reduce_every`` (``"micro_batch"`` or ``"step"``), handed to the executor by
             `bind` (Note: [Gradients reduced once per step] in streaming/gradients.py).
+        masters: `masters_elems`: the node's segment of fp32 masters is created with the node copy (none: at the
+            end of training, by `gather_masters`, where a unit needs it).
     """
 
     def __init__(
@@ -111,6 +128,7 @@ class PartitionedDataParallel:
         dp_reduce: str = "host",
         device: torch.device | str = "cpu",
         dp_reduce_every: str = "micro_batch",
+        masters: dict[int, int] | None = None,
     ):
         import torch.distributed as dist
 
@@ -155,7 +173,8 @@ class PartitionedDataParallel:
         run_id = [uuid.uuid4().hex if self.rank == 0 else None]
         dist.broadcast_object_list(run_id, src=0, group=self.norm_group)
         self.run_id = run_id[0]
-        self.masters_copy: NodeCopy | None = None  # at the end of training (`gather_masters`)
+        self.masters_copy: NodeCopy | None = None  # Note: [Masters live in the node's segment]
+        self.node_masters: dict[int, torch.Tensor] = {}  # unit -> its fp32 masters in that segment
         self.node_copy = NodeCopy(
             run_id[0],
             self.world,
@@ -165,6 +184,12 @@ class PartitionedDataParallel:
             lambda: dist.barrier(group=self.norm_group),
             pin,
         )
+        if masters:
+            try:
+                self._make_masters_segment(masters)
+            except BaseException:
+                self.close()
+                raise
         self.versions = {k: 0 for k in self.unit_keys}  # updates of each unit so far (the node copy's versions)
         self.reductions: dict[int, int] = {}  # unit -> reduces this rank took part in (read by tests)
         self.received: dict[int, int] = {}  # unit -> new compute copies of units owned elsewhere seen
@@ -186,11 +211,31 @@ class PartitionedDataParallel:
             dp_reduce=plan.dp_reduce,
             device=args.device,
             dp_reduce_every=plan.dp_reduce_every,
+            masters=masters_elems(model, plan, compute_dtype),
         )
 
     def attach_kwargs(self) -> dict[str, Any]:
         """What `lazytrain_hf.streaming.attach` takes to build this rank's partition of the host store."""
-        return dict(unit_owners=self.owners, rank=self.rank, node_copy=self.node_copy)
+        return dict(unit_owners=self.owners, rank=self.rank, node_copy=self.node_copy, node_masters=self.node_masters)
+
+    def _make_masters_segment(self, masters: dict[int, int]) -> None:
+        """The node's segment of fp32 masters (collective on the node), one buffer per unit of ``masters`` in unit
+        order (`node_masters`). Note: [Masters live in the node's segment]."""
+        import torch.distributed as dist
+
+        keys = sorted(masters)
+        nbytes = sum(align_up(int(masters[k]) * 4) for k in keys)
+        self.masters_copy = NodeCopy(
+            self.run_id + "-masters",
+            self.world,
+            self.rank,
+            nbytes,
+            len(keys),
+            lambda: dist.barrier(group=self.norm_group),
+            False,
+            "the node's fp32 masters",
+        )
+        self.node_masters = {k: self.masters_copy.carve(int(masters[k]), torch.float32) for k in keys}
 
     def __repr__(self) -> str:
         mine = [k for k in self.unit_keys if self.owners[k] == self.rank]
@@ -208,7 +253,7 @@ class PartitionedDataParallel:
         if self.node_copy is not None:
             self.node_copy.close()
             self.node_copy = None
-        if self.masters_copy is not None:  # Note: [Masters given back share the node's segment]
+        if self.masters_copy is not None:  # Note: [Masters live in the node's segment]
             self.masters_copy.close()
             self.masters_copy = None
 
@@ -353,19 +398,22 @@ class PartitionedDataParallel:
         [A bf16 compute copy of an fp32 model] in streaming/hooks.py). Called on every rank, in unit order, after the
         last update; nothing to do when every compute copy is the masters' dtype.
 
-        Note: [Masters given back share the node's segment]
+        Note: [Masters live in the node's segment]
             Each rank gets the whole fp32 model back, but not in its own memory: N copies of the fp32 model per node
             at the end of `train()` (in a run with a bf16 compute copy, the recipe's) is what partitioning the state
-            avoids. The masters go into one more node segment (a `NodeCopy` of their bytes, one version per unit): a
-            unit's owner writes its masters there (from its state file when they are on NVMe), a rank of another
-            node with the owner's local rank receives them by a broadcast in the local-rank group and writes them
-            into its node's segment; each publishes the unit. Every rank waits for every unit, then views it through
-            its copy-on-write mapping (`NodeCopy.private_view`; the layer's ``masters_shared``), which `remove()`
-            gives the parameters as it is (Note: [Parameters given back share the node copy] in
-            streaming/binder.py). The owner's own masters are dropped for the view (the optimizer is done with
-            them). A unit whose state is on NVMe on this rank is left on disk (Note: [Units on NVMe after remove()]
-            in streaming/nvmestate.py). The segment is closed with the node copy (`close`); the parameters keep the
-            private mapping, which outlives it. Test: tests/test_trainer_ddp.py (the bf16 compute copy)."""
+            avoids. The masters live in one more node segment (a `NodeCopy` of their bytes, one buffer and version
+            per unit, `node_masters`), created with the node copy: a unit's owner keeps its masters there while it
+            trains (the host store takes the unit's buffer, `HostStore.node_masters`), so giving them back copies
+            nothing and the node never holds them twice (in the owner's memory and in the segment; a unit whose
+            state is on NVMe keeps its masters in its file). At the end each owner publishes its units (a unit on
+            NVMe read from its file first); a rank of another node with the owner's local rank receives them by a
+            broadcast in the local-rank group and writes them into its node's segment, and publishes them. Every
+            rank waits for every unit, then views it through its copy-on-write mapping (`NodeCopy.private_view`;
+            the layer's ``masters_shared``), which `remove()` gives the parameters as it is (Note: [Parameters
+            given back share the node copy] in streaming/binder.py); the optimizer, which outlives `train()`, keeps
+            the owner's shared buffer. A unit whose state is on NVMe on this rank is left on disk (Note: [Units on
+            NVMe after remove()] in streaming/nvmestate.py). The segment is closed with the node copy (`close`);
+            the mappings handed out outlive it. Test: tests/test_trainer_ddp.py (the bf16 compute copy)."""
         import torch.distributed as dist
 
         updater.wait_all()
@@ -376,33 +424,30 @@ class PartitionedDataParallel:
                 units.append((unit, ls))
         if not units:
             return
-        nbytes = sum(align_up(ls.layout.train_elems * 4) for _, ls in units)
-        self.masters_copy = seg = NodeCopy(
-            self.run_id + "-masters",
-            self.world,
-            self.rank,
-            nbytes,
-            len(units),
-            lambda: dist.barrier(group=self.norm_group),
-            False,
-            "the node's fp32 masters",
-        )
+        if self.masters_copy is None:  # built without `masters_elems` (the segment is made now)
+            self._make_masters_segment({unit: ls.layout.train_elems for unit, ls in units})
+        seg, slots = self.masters_copy, {k: j for j, k in enumerate(sorted(self.node_masters))}
+        if [unit for unit, _ in units] != sorted(self.node_masters):
+            raise RuntimeError(
+                f"gather_masters: the node's masters segment holds units {sorted(self.node_masters)}, the host store "
+                f"casts {[unit for unit, _ in units]}."
+            )
         w, spill = self.world, handle.nvme_state
-        views = [seg.carve(ls.layout.train_elems, torch.float32) for _, ls in units]
-        for j, ((unit, ls), dst) in enumerate(zip(units, views)):
+        views = [self.node_masters[unit] for unit, _ in units]
+        for (unit, ls), dst in zip(units, views):
             owner = self.owners[unit]
             if owner == self.rank and spill is not None and unit in spill.units:
                 for e in ls.trainable_entries:  # the masters live in the unit's file
                     dst.narrow(0, e.elem_offset, e.numel).copy_(spill.read_param(unit, e.name, "master").reshape(-1))
-            elif owner == self.rank:
+            elif owner == self.rank and ls.master.data_ptr() != dst.data_ptr():
                 dst.copy_(ls.master)
             if w.local_rank(owner) != w.local_rank(self.rank):
                 continue  # another local rank of this node writes it
             if w.nodes > 1:
                 dist.broadcast(dst, src=owner, group=self.local_groups[w.local_rank(owner)])
-            seg.publish(j, 1)
-        for j, ((unit, ls), dst) in enumerate(zip(units, views)):
-            seg.wait(j, 1, self.owners[unit])
+            seg.publish(slots[unit], 1)
+        for (unit, ls), dst in zip(units, views):
+            seg.wait(slots[unit], 1, self.owners[unit])
             if spill is not None and unit in spill.units:
                 continue  # left on disk by remove()
             ls.master = seg.private_view(dst)
