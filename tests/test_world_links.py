@@ -121,3 +121,25 @@ def test_one_process_measures_nothing(tmp_path):
 
     tr = make_trainer(tmp_path, max_steps=1, planner_policy="milp", planner_hardware="auto")
     assert planning.measure_world_links(tr.args) is None
+
+
+def test_rank_zero_solves_the_milp_for_its_world(tmp_path, monkeypatch):
+    """In data parallel rank 0's MILP plans for the world (a rank's optimizer times, `worldcost.for_world`; the world
+    recorded in the plan), not for one process: the world reaches `milp.plan_for_model` and the plan says it."""
+    from trainer_fixtures import make_trainer
+
+    from lazytrain_hf.planner import milp
+
+    seen = []
+    real = milp.plan_for_model
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("world"))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(milp, "plan_for_model", spy)
+    monkeypatch.setattr(planning, "world_of", lambda args: World(2, 1))
+    tr = make_trainer(tmp_path, max_steps=1, planner_policy="milp", planner_warmup_steps=0)
+    plan, _ = planning.make_plan(tr.model, tr.args, tr._sample_batch())
+    assert seen == [World(2, 1)]
+    assert (plan.world_size, plan.nodes) == (2, 1) and "net" in plan.predicted["bytes_per_step"]
