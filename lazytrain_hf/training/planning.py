@@ -67,8 +67,9 @@ def make_plan(
     model: torch.nn.Module, args: Any, batch: dict[str, torch.Tensor], links: dict[str, float] | None = None
 ):
     """Profile -> warm-up timings -> plan, per ``args.planner_*``, for training ``model`` on micro-batches shaped
-    like ``batch`` (one collated training micro-batch). ``links``: the data-parallel world's measured link
-    bandwidths (`measure_world_links`), which replace the measured profile's (``planner_hardware="auto"``).
+    like ``batch`` (one collated training micro-batch). In data parallel (rank 0) the MILP plans for the world
+    (`world_of`): a rank's optimizer times and the world's reduces. ``links``: the data-parallel world's measured
+    link bandwidths (`measure_world_links`), which replace the measured profile's (``planner_hardware="auto"``).
 
     Returns ``(plan, cost_model)``; ``cost_model`` is None for ``planner_policy="default"`` (no profile, warm-up or
     solve). With auto batch size the plan may choose another micro-batch size than ``batch``'s; the caller adopts it.
@@ -135,6 +136,7 @@ def make_plan(
         state = host_footprint(p0, model, hybrid_8bit=a.optim_hybrid_8bit, compute_dtype=compute_dtype, args=a)
         pinned_budget = max(0, int(a.planner_host_budget) - (max(state.total, state.save_peak) - state.activations))
     if a.planner_policy == "milp":
+        world = world_of(a)  # data parallel: a rank's optimizer times, the world's reduces (worldcost.for_world)
         plan = milp.plan_for_model(
             config,
             profile,
@@ -154,6 +156,7 @@ def make_plan(
             state_nvme=[k for k in state_keys if 0 <= k < len(kinds)],
             gradient_accumulation_steps=int(a.gradient_accumulation_steps),
             stream_embeddings=bool(a.stream_embeddings),
+            world=world if world.world_size > 1 else None,
             **common,
         )
     # the cost model of the batch the plan trains with (auto batch size may have changed it): the baselines and
