@@ -244,10 +244,24 @@ class PartitionedDataParallel:
     def bind(self, handle) -> None:
         """Send the executor's completed gradients to their owners (Note: [Partitioned gradients are reduced to their
         owner every micro-batch] in streaming/gradients.py)."""
+        if self.node_masters and self._cast_units(handle) != sorted(self.node_masters):
+            raise RuntimeError(  # before the first step, not at the end of training (`gather_masters`)
+                f"the node's segment of masters holds units {sorted(self.node_masters)}, the host store casts "
+                f"{self._cast_units(handle)} to its compute dtype (Note: [Masters live in the node's segment])."
+            )
         handle.owner_grad_reducer = self.reduce_to_owner
         handle.dp_reduce_every = self.dp_reduce_every  # Note: [Gradients reduced once per step]
         if self.device_group is not None:
             handle.owner_device_reducer = self.reduce_on_device
+
+    @staticmethod
+    def _cast_units(handle) -> list[int]:
+        """The host store's units whose trainable fp32 parameters have a compute copy in another dtype, in order."""
+        return sorted(
+            unit
+            for unit, ls in handle.store.layers.items()
+            if any(e.trainable and e.orig_dtype is not None for e in ls.entries)
+        )
 
     def close(self) -> None:
         if self.node_copy is not None:
@@ -417,11 +431,7 @@ class PartitionedDataParallel:
         import torch.distributed as dist
 
         updater.wait_all()
-        units = []
-        for unit in self.unit_keys:
-            ls = handle.store.layers.get(unit)
-            if ls is not None and any(e.trainable and e.orig_dtype is not None for e in ls.entries):
-                units.append((unit, ls))
+        units = [(unit, handle.store.layers[unit]) for unit in self._cast_units(handle)]
         if not units:
             return
         if self.masters_copy is None:  # built without `masters_elems` (the segment is made now)
