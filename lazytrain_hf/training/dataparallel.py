@@ -436,15 +436,10 @@ class PartitionedDataParallel:
             return
         if self.masters_copy is None:  # built without `masters_elems` (the segment is made now)
             self._make_masters_segment({unit: ls.layout.train_elems for unit, ls in units})
-        seg, slots = self.masters_copy, {k: j for j, k in enumerate(sorted(self.node_masters))}
-        if [unit for unit, _ in units] != sorted(self.node_masters):
-            raise RuntimeError(
-                f"gather_masters: the node's masters segment holds units {sorted(self.node_masters)}, the host store "
-                f"casts {[unit for unit, _ in units]}."
-            )
-        w, spill = self.world, handle.nvme_state
+        # the segment's units are the store's cast units, in order (made from them, or checked by `bind`)
+        seg, w, spill = self.masters_copy, self.world, handle.nvme_state
         views = [self.node_masters[unit] for unit, _ in units]
-        for (unit, ls), dst in zip(units, views):
+        for j, ((unit, ls), dst) in enumerate(zip(units, views)):
             owner = self.owners[unit]
             if owner == self.rank and spill is not None and unit in spill.units:
                 for e in ls.trainable_entries:  # the masters live in the unit's file
@@ -455,9 +450,9 @@ class PartitionedDataParallel:
                 continue  # another local rank of this node writes it
             if w.nodes > 1:
                 dist.broadcast(dst, src=owner, group=self.local_groups[w.local_rank(owner)])
-            seg.publish(slots[unit], 1)
-        for (unit, ls), dst in zip(units, views):
-            seg.wait(slots[unit], 1, self.owners[unit])
+            seg.publish(j, 1)
+        for j, ((unit, ls), dst) in enumerate(zip(units, views)):
+            seg.wait(j, 1, self.owners[unit])
             if spill is not None and unit in spill.units:
                 continue  # left on disk by remove()
             ls.master = seg.private_view(dst)
